@@ -1,0 +1,53 @@
+# minivit: the two commands are `make test` and `make train`; the rest are conveniences.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PARITY_VENV := .venv-parity
+PARITY_PY := $(PARITY_VENV)/bin/python
+PYTEST_ARGS ?=
+
+.PHONY: test test-parity train demo lab bench clean
+
+# The environment is rebuilt only when requirements.txt or pyproject.toml change.
+$(VENV)/.installed: requirements.txt pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements.txt
+	$(PY) -m pip install -q --no-deps -e .
+	$(PY) -m ipykernel install --sys-prefix --name python3 >/dev/null
+	touch $@
+
+## make test: set up .venv (first time) and run the whole test suite on the CPU
+test: $(VENV)/.installed
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The reference oracle (PyTorch + timm) lives in its own venv: never a runtime dependency.
+$(PARITY_VENV)/.installed: requirements.txt pyproject.toml
+	$(PYTHON) -m venv $(PARITY_VENV)
+	$(PARITY_PY) -m pip install -q torch==2.14.1 torchvision==0.29.1 timm
+	$(PARITY_PY) -m pip install -q numpy scipy pillow tqdm matplotlib safetensors pytest
+	$(PARITY_PY) -m pip install -q --no-deps -e .
+	touch $@
+
+## make test-parity: compare logits and every gradient with timm under PyTorch autograd
+test-parity: $(PARITY_VENV)/.installed
+	$(PARITY_PY) -m pytest -m parity $(PYTEST_ARGS)
+
+## make train: the main job, a small ViT on CIFAR-10 (falls back to Fashion-MNIST or shapes offline)
+train: $(VENV)/.installed
+	$(PY) -m minivit.train --dataset cifar10 --download --fallback --out runs/cifar10 $(ARGS)
+
+## make demo: the offline quick run on the procedural `shapes` data set (about two minutes on 2 cores)
+demo: $(VENV)/.installed
+	$(PY) -m minivit.train --dataset shapes --preset demo --out runs/demo $(ARGS)
+
+## make lab: Jupyter in the notebooks folder, with the project's environment
+lab: $(VENV)/.installed
+	cd notebooks && ../$(VENV)/bin/jupyter lab
+
+## make bench: speed and memory against PyTorch eager, side by side (needs the parity venv for torch)
+bench: $(PARITY_VENV)/.installed
+	$(PARITY_PY) benchmarks/bench.py $(ARGS)
+
+clean:
+	rm -rf $(VENV) $(PARITY_VENV) .pytest_cache build *.egg-info

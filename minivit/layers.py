@@ -1,0 +1,375 @@
+"""The layers a student composes and modifies: thin classes over the pairs in functional.py.
+
+The contract every layer keeps:
+- ``params`` and ``grads`` are dicts with the same keys (timm's names, e.g. ``"weight"``, ``"bias"``;
+  a layer made of layers lists all of theirs under dotted names, ``"attn.qkv.weight"``). They hold the
+  live arrays: change parameters in place (``p -= lr * g``), never by rebinding a dict entry.
+- ``forward(x)`` returns the output and, in training mode, keeps in ``self.cache`` what backward needs.
+  In eval mode (``layer.eval()``) it keeps nothing, so inference holds no activations.
+- ``backward(dout)`` returns the gradient with respect to the input and ADDS the parameter gradients
+  into ``self.grads`` (as PyTorch adds into ``.grad``). Call ``zero_grad()`` before each backward;
+  two backwards without it accumulate, which is how gradient accumulation works.
+"""
+
+from . import functional as F
+from .backend import asarray, backend_module, backend_of, get_array_module, host_rng
+
+
+def trunc_normal(rng, shape, std, dtype):
+    """Values from N(0, std^2) truncated to [-2 std, 2 std] (redrawn when outside), on the current backend.
+    Drawn on the host with rng (a numpy Generator), so a seed gives the same model on NumPy and CuPy."""
+    values = rng.standard_normal(shape)
+    flat = values.reshape(-1)
+    redraw = ((flat > 2.0) | (flat < -2.0)).nonzero()[0]       # indices outside [-2, 2]
+    while redraw.size:
+        new = rng.standard_normal(redraw.size)
+        flat[redraw] = new
+        redraw = redraw[(new > 2.0) | (new < -2.0)]
+    return asarray(values * std, dtype=dtype)
+
+
+def zeros(shape, dtype):
+    return backend_module().zeros(shape, dtype=dtype)
+
+
+def ones(shape, dtype):
+    return backend_module().ones(shape, dtype=dtype)
+
+
+class Layer:
+    """Base class: parameter bookkeeping, train/eval mode and moving between backends.
+
+    A leaf layer puts its own arrays in ``self.params`` / ``self.grads``. A composite layer registers
+    its parts with ``add(name, layer)`` and ``gather()`` then lists their arrays under dotted names.
+    """
+
+    def __init__(self):
+        self.params = {}      # name -> parameter array
+        self.grads = {}       # name -> gradient array, same shape, filled by backward
+        self.cache = None     # what backward needs, set by forward in training mode
+        self.training = True
+        self.children = {}    # name prefix -> sub-layer, for composite layers
+
+    def add(self, name, layer):
+        self.children[name] = layer
+        return layer
+
+    def gather(self):
+        """Rebuild params/grads of a composite layer from its children (same array objects)."""
+        if not self.children:
+            return
+        self.params, self.grads = {}, {}
+        for name, child in self.children.items():
+            child.gather()
+            prefix = f"{name}." if name else ""
+            for key in child.params:
+                self.params[prefix + key] = child.params[key]
+                self.grads[prefix + key] = child.grads[key]
+
+    def zero_grad(self):
+        for g in self.grads.values():
+            g[...] = 0
+
+    def train(self, mode=True):
+        self.training = mode
+        if not mode:
+            self.cache = None
+        for child in self.children.values():
+            child.train(mode)
+        return self
+
+    def eval(self):
+        return self.train(False)
+
+    def to(self, backend):
+        """Move every parameter and gradient to 'numpy' or 'cupy' (caches are dropped)."""
+        for child in self.children.values():
+            child.to(backend)
+        if not self.children:
+            self.params = {k: asarray(v, backend=backend) for k, v in self.params.items()}
+            self.grads = {k: asarray(v, backend=backend) for k, v in self.grads.items()}
+        self.cache = None
+        self.gather()
+        return self
+
+    def _need_cache(self):
+        if self.cache is None:
+            raise RuntimeError(f"{type(self).__name__}.backward called without a forward in training mode: "
+                               "call forward first, and train() if the layer was put in eval mode")
+        return self.cache
+
+    def __repr__(self):
+        return f"{type(self).__name__}({self.extra_repr()})"
+
+    def extra_repr(self):
+        return ""
+
+
+class Linear(Layer):
+    """y = x W + b, with W stored (in_features, out_features) so the code reads as the math."""
+
+    def __init__(self, in_features, out_features, bias=True, rng=None, dtype="float32", std=0.02):
+        super().__init__()
+        rng = host_rng(0) if rng is None else rng
+        self.in_features, self.out_features = in_features, out_features
+        self.params["weight"] = trunc_normal(rng, (in_features, out_features), std, dtype)  # (in, out)
+        self.grads["weight"] = zeros((in_features, out_features), dtype)
+        if bias:
+            self.params["bias"] = zeros((out_features,), dtype)                         # (out,)
+            self.grads["bias"] = zeros((out_features,), dtype)
+
+    def forward(self, x):  # x: (..., in) -> (..., out)
+        y, cache = F.linear_forward(x, self.params["weight"], self.params.get("bias"))
+        self.cache = cache if self.training else None
+        return y
+
+    def backward(self, dout):  # dout: (..., out) -> dx: (..., in)
+        dx, dweight, dbias = F.linear_backward(dout, self._need_cache())
+        self.grads["weight"] += dweight
+        if "bias" in self.grads:
+            self.grads["bias"] += dbias
+        return dx
+
+    def extra_repr(self):
+        return f"{self.in_features} -> {self.out_features}, bias={'bias' in self.params}"
+
+
+class LayerNorm(Layer):
+    """Normalise each token over its D features, then scale and shift (eps 1e-6, as ViT)."""
+
+    def __init__(self, dim, eps=1e-6, dtype="float32"):
+        super().__init__()
+        self.dim, self.eps = dim, eps
+        self.params["weight"] = ones((dim,), dtype)   # (D,)  gamma
+        self.params["bias"] = zeros((dim,), dtype)    # (D,)  beta
+        self.grads["weight"] = zeros((dim,), dtype)
+        self.grads["bias"] = zeros((dim,), dtype)
+
+    def forward(self, x):  # (..., D) -> (..., D)
+        out, cache = F.layernorm_forward(x, self.params["weight"], self.params["bias"], self.eps)
+        self.cache = cache if self.training else None
+        return out
+
+    def backward(self, dout):
+        dx, dweight, dbias = F.layernorm_backward(dout, self._need_cache())
+        self.grads["weight"] += dweight
+        self.grads["bias"] += dbias
+        return dx
+
+    def extra_repr(self):
+        return f"{self.dim}, eps={self.eps}"
+
+
+class GELU(Layer):
+    """gelu(x) = x Phi(x); approximate="erf" (exact, timm) or "tanh" (the JAX checkpoints)."""
+
+    def __init__(self, approximate="erf"):
+        super().__init__()
+        if approximate not in F.GELU_KINDS:
+            raise ValueError(f"GELU approximate must be one of {F.GELU_KINDS}, got {approximate!r}")
+        self.approximate = approximate
+
+    def forward(self, x):
+        out, cache = F.gelu_forward(x, self.approximate)
+        self.cache = cache if self.training else None
+        return out
+
+    def backward(self, dout):
+        return F.gelu_backward(dout, self._need_cache())
+
+    def extra_repr(self):
+        return repr(self.approximate)
+
+
+class Dropout(Layer):
+    """Zero each value with probability p in training (scaling the rest by 1/(1-p)); identity in eval.
+    ``per_sample=True`` drops whole samples instead: that is drop-path (stochastic depth), applied to a
+    residual branch so the block is skipped for that sample."""
+
+    def __init__(self, p=0.0, per_sample=False, seed=0):
+        super().__init__()
+        if not 0.0 <= p < 1.0:
+            raise ValueError(f"dropout probability must be in [0, 1), got {p!r}")
+        self.p, self.per_sample = p, per_sample
+        self.rng = host_rng(seed)  # host generator: same masks on NumPy and CuPy, state saved in checkpoints
+
+    def forward(self, x):
+        if not self.training or self.p == 0.0:
+            self.cache = None
+            return x
+        shape = (x.shape[0],) + (1,) * (x.ndim - 1) if self.per_sample else x.shape
+        keep = asarray(self.rng.random(shape) >= self.p, backend=backend_of(x))  # (B, 1, 1) or x's shape
+        out, self.cache = F.dropout_forward(x, keep, self.p)
+        return out
+
+    def backward(self, dout):
+        if self.p == 0.0 or not self.training:
+            return dout
+        return F.dropout_backward(dout, self._need_cache())
+
+    def extra_repr(self):
+        return f"p={self.p}" + (", per_sample" if self.per_sample else "")
+
+
+class MLP(Layer):
+    """The transformer's feed-forward net: fc1 (D -> M), GELU, fc2 (M -> D)."""
+
+    def __init__(self, dim, hidden_dim, gelu="erf", drop=0.0, rng=None, dtype="float32", seed=0):
+        super().__init__()
+        self.fc1 = self.add("fc1", Linear(dim, hidden_dim, rng=rng, dtype=dtype))
+        self.act = self.add("act", GELU(gelu))
+        self.fc2 = self.add("fc2", Linear(hidden_dim, dim, rng=rng, dtype=dtype))
+        self.drop = self.add("drop", Dropout(drop, seed=seed))
+        self.gather()
+
+    def forward(self, x):                        # (B, N, D)
+        h = self.act.forward(self.fc1.forward(x))  # (B, N, M)
+        return self.drop.forward(self.fc2.forward(h))  # (B, N, D)
+
+    def backward(self, dout):                    # (B, N, D)
+        dh = self.fc2.backward(self.drop.backward(dout))  # (B, N, M)
+        return self.fc1.backward(self.act.backward(dh))   # (B, N, D)
+
+
+class Attention(Layer):
+    """Multi-head self-attention: qkv = x W_qkv (one packed projection), per-head softmax(q k^T / sqrt(hs)) v,
+    heads concatenated and projected back to D."""
+
+    def __init__(self, dim, num_heads, qkv_bias=True, drop=0.0, rng=None, dtype="float32", seed=0):
+        super().__init__()
+        if dim % num_heads:
+            raise ValueError(f"embed_dim {dim} must be divisible by num_heads {num_heads}")
+        self.num_heads = num_heads
+        self.qkv = self.add("qkv", Linear(dim, 3 * dim, bias=qkv_bias, rng=rng, dtype=dtype))
+        self.proj = self.add("proj", Linear(dim, dim, rng=rng, dtype=dtype))
+        self.drop = self.add("drop", Dropout(drop, seed=seed))
+        self.gather()
+
+    def forward(self, x):                                            # (B, N, D)
+        qkv = self.qkv.forward(x)                                    # (B, N, 3D)
+        ctx, cache = F.attention_forward(qkv, self.num_heads)        # (B, N, D)
+        self.cache = cache if self.training else None
+        return self.drop.forward(self.proj.forward(ctx))             # (B, N, D)
+
+    def backward(self, dout):                                        # (B, N, D)
+        dctx = self.proj.backward(self.drop.backward(dout))          # (B, N, D)
+        dqkv = F.attention_backward(dctx, self._need_cache())        # (B, N, 3D)
+        return self.qkv.backward(dqkv)                               # (B, N, D)
+
+    @property
+    def attn(self):
+        """The last forward's attention weights (B, nh, N, N), for plots (training mode only)."""
+        return None if self.cache is None else self.cache[3]
+
+    def extra_repr(self):
+        return f"heads={self.num_heads}"
+
+
+class PatchEmbed(Layer):
+    """Paper Eq. 1, first part: cut the image into P x P patches and project each to D dims:
+    (B, H, W, C) -> im2patch -> (B, N, P*P*C) -> x_p E -> (B, N, D). Equal to a convolution with
+    kernel = stride = P (tests/test_layers.py shows it)."""
+
+    def __init__(self, img_size, patch_size, in_chans, embed_dim, rng=None, dtype="float32"):
+        super().__init__()
+        self.img_size, self.patch_size, self.in_chans = tuple(img_size), patch_size, in_chans
+        self.proj = self.add("proj", Linear(patch_size * patch_size * in_chans, embed_dim, rng=rng, dtype=dtype))
+        self.gather()
+
+    def forward(self, x):                                    # (B, H, W, C)
+        patches = F.im2patch(x, self.patch_size)             # (B, N, P*P*C)
+        return self.proj.forward(patches)                    # (B, N, D)
+
+    def backward(self, dout):                                # (B, N, D)
+        dpatches = self.proj.backward(dout)                  # (B, N, P*P*C)
+        return F.patch2im(dpatches, self.patch_size, self.img_size)  # (B, H, W, C)
+
+
+class PosEmbed(Layer):
+    """Paper Eq. 1, second part: prepend the learned class token, add learned 1-D position embeddings.
+    (B, N, D) -> (B, N+1, D); with class_token=False (GAP models) (B, N, D) -> (B, N, D)."""
+
+    def __init__(self, num_patches, embed_dim, class_token=True, rng=None, dtype="float32"):
+        super().__init__()
+        rng = host_rng(0) if rng is None else rng
+        self.class_token = class_token
+        seq_len = num_patches + (1 if class_token else 0)
+        if class_token:
+            self.params["cls_token"] = trunc_normal(rng, (1, 1, embed_dim), 1e-6, dtype)  # (1, 1, D), as timm
+            self.grads["cls_token"] = zeros((1, 1, embed_dim), dtype)
+        self.params["pos_embed"] = trunc_normal(rng, (1, seq_len, embed_dim), 0.02, dtype)  # (1, N+1, D)
+        self.grads["pos_embed"] = zeros((1, seq_len, embed_dim), dtype)
+
+    def forward(self, x):                                        # (B, N, D)
+        xp = get_array_module(x)
+        if self.class_token:
+            B, _, D = x.shape
+            cls = xp.broadcast_to(self.params["cls_token"], (B, 1, D))  # (B, 1, D)
+            x = xp.concatenate([cls, x], axis=1)                 # (B, N+1, D)
+        self.cache = True if self.training else None            # nothing to remember but "forward ran"
+        return x + self.params["pos_embed"]                      # (B, N+1, D)
+
+    def backward(self, dout):                                    # (B, N+1, D)
+        self._need_cache()
+        self.grads["pos_embed"] += dout.sum(0, keepdims=True)    # (1, N+1, D): added to every sample
+        if not self.class_token:
+            return dout
+        self.grads["cls_token"] += dout[:, :1].sum(0, keepdims=True)  # (1, 1, D)
+        return dout[:, 1:]                                       # (B, N, D): the patch tokens' part
+
+
+class Block(Layer):
+    """The pre-norm transformer block, paper Eqs. 2-3:
+        x1  = x  + attn(norm1(x))        z'_l = MSA(LN(z_{l-1})) + z_{l-1}
+        out = x1 + mlp(norm2(x1))        z_l  = MLP(LN(z'_l)) + z'_l
+    drop_path > 0 randomly skips a sample's residual branches in training (stochastic depth)."""
+
+    def __init__(self, dim, num_heads, mlp_ratio=4.0, qkv_bias=True, gelu="erf", drop=0.0, drop_path=0.0,
+                 rng=None, dtype="float32", seed=0):
+        super().__init__()
+        self.norm1 = self.add("norm1", LayerNorm(dim, dtype=dtype))
+        self.attn = self.add("attn", Attention(dim, num_heads, qkv_bias, drop, rng=rng, dtype=dtype, seed=seed))
+        self.norm2 = self.add("norm2", LayerNorm(dim, dtype=dtype))
+        self.mlp = self.add("mlp", MLP(dim, int(dim * mlp_ratio), gelu, drop, rng=rng, dtype=dtype, seed=seed + 1))
+        self.drop_path1 = self.add("drop_path1", Dropout(drop_path, per_sample=True, seed=seed + 2))
+        self.drop_path2 = self.add("drop_path2", Dropout(drop_path, per_sample=True, seed=seed + 3))
+        self.gather()
+
+    def forward(self, x):                                                    # (B, N, D)
+        x1 = x + self.drop_path1.forward(self.attn.forward(self.norm1.forward(x)))   # (B, N, D)
+        return x1 + self.drop_path2.forward(self.mlp.forward(self.norm2.forward(x1)))  # (B, N, D)
+
+    def backward(self, dout):                                                # (B, N, D)
+        # out = x1 + mlp(norm2(x1)): the residual passes dout straight through, plus the branch
+        dx1 = dout + self.norm2.backward(self.mlp.backward(self.drop_path2.backward(dout)))
+        # x1 = x + attn(norm1(x))
+        return dx1 + self.norm1.backward(self.attn.backward(self.drop_path1.backward(dx1)))
+
+
+class Pool(Layer):
+    """From tokens to one vector per image. "cls": the class token's output (paper Eq. 4);
+    "gap": the mean over all tokens (the model then has no class token)."""
+
+    def __init__(self, mode="cls"):
+        super().__init__()
+        if mode not in ("cls", "gap"):
+            raise ValueError(f"pool must be 'cls' or 'gap', got {mode!r}")
+        self.mode = mode
+
+    def forward(self, x):                       # (B, N, D) -> (B, D)
+        self.cache = x.shape if self.training else None
+        return x[:, 0] if self.mode == "cls" else x.mean(1)
+
+    def backward(self, dout):                   # (B, D) -> (B, N, D)
+        B, N, D = self._need_cache()
+        xp = get_array_module(dout)
+        if self.mode == "cls":
+            dx = xp.zeros((B, N, D), dtype=dout.dtype)
+            dx[:, 0] = dout                     # only the class token was read
+            return dx
+        return xp.broadcast_to(dout[:, None, :] / N, (B, N, D)).copy()  # the mean spreads 1/N to each
+
+    def extra_repr(self):
+        return repr(self.mode)
+
+

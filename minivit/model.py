@@ -1,0 +1,331 @@
+"""The Vision Transformer: its config, the assembled model, the shape trace and the presets.
+
+    image (B, H, W, C)
+      -> patch_embed   im2patch + linear projection E        (B, N, D)      Eq. 1
+      -> pos_embed     prepend x_class, add E_pos            (B, N+1, D)    Eq. 1
+      -> blocks        depth x pre-norm (MSA, MLP) blocks    (B, N+1, D)    Eqs. 2-3
+      -> norm          final LayerNorm                       (B, N+1, D)    Eq. 4
+      -> pool          class token (or mean of tokens)       (B, D)         Eq. 4
+      -> head          linear classifier                     (B, K)
+
+Parameter names are timm's (``patch_embed.proj.weight``, ``cls_token``, ``blocks.0.attn.qkv.weight``...);
+the layouts are minivit's own (linear weights (in, out), the patch projection (P*P*C, D) in (P, P, C)
+order); minivit.convert translates to and from timm's.
+"""
+
+import dataclasses
+from dataclasses import dataclass
+
+from . import functional as F
+from .backend import asarray, backend_of, host_rng, is_array, to_numpy
+from .layers import Block, Dropout, Layer, LayerNorm, Linear, PatchEmbed, Pool, PosEmbed
+
+DTYPES = ("float32", "float64")
+
+
+@dataclass(frozen=True)
+class ViTConfig:
+    """The shape of a ViT. Defaults are ViT-B/16 at 224 (the paper's Table 1, "Base")."""
+
+    img_size: tuple = (224, 224)   # (H, W) of the input; an int means a square image
+    patch_size: int = 16           # P: 224x224 -> a 14x14 grid = 196 patches of 16x16xC
+    in_chans: int = 3              # C: 3 for RGB, 1 for grey (Fashion-MNIST)
+    num_classes: int = 1000        # K: outputs of the head
+    embed_dim: int = 768           # D: width of every token
+    depth: int = 12                # number of transformer blocks
+    num_heads: int = 12            # nh: attention heads; head size hs = D / nh
+    mlp_ratio: float = 4.0         # M = mlp_ratio * D hidden units in each MLP
+    pool: str = "cls"              # "cls": class token (Eq. 4); "gap": mean of tokens, no class token
+    qkv_bias: bool = True          # bias in the packed qkv projection (timm and the paper: yes)
+    gelu: str = "erf"              # "erf": exact GELU (timm); "tanh": the approximation of the JAX models
+    drop_rate: float = 0.0         # dropout after the position embedding, attention proj and MLP
+    drop_path_rate: float = 0.0    # stochastic depth: rises linearly from 0 to this over the blocks
+
+    def __post_init__(self):
+        img = self.img_size
+        if isinstance(img, int) and not isinstance(img, bool):
+            img = (img, img)
+        elif isinstance(img, (tuple, list)) and len(img) == 2 and all(isinstance(v, int) for v in img):
+            img = tuple(img)
+        else:
+            raise ValueError(f"img_size must be an int or a pair (H, W) of ints, got {self.img_size!r}")
+        object.__setattr__(self, "img_size", img)
+        for name in ("patch_size", "in_chans", "num_classes", "embed_dim", "depth", "num_heads"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        H, W = img
+        P = self.patch_size
+        if H < 1 or W < 1 or H % P or W % P:
+            raise ValueError(f"img_size {img} must be divisible by patch_size {P} "
+                             f"(the image is cut into whole {P}x{P} patches)")
+        if self.embed_dim % self.num_heads:
+            raise ValueError(f"embed_dim {self.embed_dim} must be divisible by num_heads {self.num_heads} "
+                             f"(each head gets embed_dim / num_heads features)")
+        if not self.mlp_ratio > 0 or int(self.embed_dim * self.mlp_ratio) < 1:
+            raise ValueError(f"mlp_ratio must be positive, got {self.mlp_ratio!r}")
+        if self.pool not in ("cls", "gap"):
+            raise ValueError(f"pool must be 'cls' or 'gap', got {self.pool!r}")
+        if self.gelu not in F.GELU_KINDS:
+            raise ValueError(f"gelu must be one of {F.GELU_KINDS}, got {self.gelu!r}")
+        for name in ("drop_rate", "drop_path_rate"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)!r}")
+
+    @property
+    def grid_size(self):
+        """(H/P, W/P): the patch grid."""
+        return self.img_size[0] // self.patch_size, self.img_size[1] // self.patch_size
+
+    @property
+    def num_patches(self):
+        """N = HW / P^2."""
+        gh, gw = self.grid_size
+        return gh * gw
+
+    @property
+    def seq_len(self):
+        """Tokens through the encoder: N + 1 with the class token, N with GAP."""
+        return self.num_patches + (1 if self.pool == "cls" else 0)
+
+    @property
+    def mlp_dim(self):
+        return int(self.embed_dim * self.mlp_ratio)
+
+    def num_params(self):
+        """The parameter count, computed from the shapes alone (nothing is allocated)."""
+        D, M, K = self.embed_dim, self.mlp_dim, self.num_classes
+        patch = self.patch_size ** 2 * self.in_chans * D + D          # E and its bias
+        tokens = (D if self.pool == "cls" else 0) + self.seq_len * D  # x_class, E_pos
+        block = (2 * D                                                # norm1
+                 + D * 3 * D + (3 * D if self.qkv_bias else 0)        # qkv
+                 + D * D + D                                          # proj
+                 + 2 * D                                              # norm2
+                 + D * M + M + M * D + D)                             # fc1, fc2
+        return patch + tokens + self.depth * block + 2 * D + D * K + K  # + final norm, head
+
+    def to_dict(self):
+        d = dataclasses.asdict(self)
+        d["img_size"] = list(self.img_size)
+        return d
+
+    @classmethod
+    def from_dict(cls, d):
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown ViTConfig fields {sorted(unknown)}; known: {sorted(known)}")
+        d = dict(d)
+        if isinstance(d.get("img_size"), list):
+            d["img_size"] = tuple(d["img_size"])
+        return cls(**d)
+
+
+class ViT(Layer):
+    """The Vision Transformer. ``forward(x)`` maps images (B, H, W, C) to logits (B, K);
+    ``backward(dlogits)`` returns dx (B, H, W, C) and adds every parameter's gradient into ``grads``."""
+
+    def __init__(self, config, seed=0, dtype="float32"):
+        super().__init__()
+        if not isinstance(config, ViTConfig):
+            raise TypeError(f"config must be a ViTConfig, got {type(config).__name__}")
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+        self.config, self.dtype, self.seed = config, dtype, seed
+        c = config
+        rng = host_rng(seed)
+        self.patch_embed = self.add("patch_embed", PatchEmbed(c.img_size, c.patch_size, c.in_chans, c.embed_dim,
+                                                              rng=rng, dtype=dtype))
+        # cls_token and pos_embed are top-level names in timm: registered with an empty prefix
+        self.pos_embed = self.add("", PosEmbed(c.num_patches, c.embed_dim, class_token=c.pool == "cls",
+                                               rng=rng, dtype=dtype))
+        self.pos_drop = self.add("pos_drop", Dropout(c.drop_rate, seed=seed * 1000 + 999))
+        self.blocks = []
+        for i in range(c.depth):
+            drop_path = c.drop_path_rate * i / max(c.depth - 1, 1)   # linear rule of stochastic depth
+            block = Block(c.embed_dim, c.num_heads, c.mlp_ratio, c.qkv_bias, c.gelu, c.drop_rate, drop_path,
+                          rng=rng, dtype=dtype, seed=seed * 1000 + 10 * i)
+            self.blocks.append(self.add(f"blocks.{i}", block))
+        self.norm = self.add("norm", LayerNorm(c.embed_dim, dtype=dtype))
+        self.pool = self.add("pool", Pool(c.pool))
+        self.head = self.add("head", Linear(c.embed_dim, c.num_classes, rng=rng, dtype=dtype))
+        self.gather()
+
+    def stages(self):
+        """(name, layer) in forward order; backward runs them in reverse."""
+        stages = [("patch_embed", self.patch_embed), ("pos_embed", self.pos_embed)]
+        if self.config.drop_rate > 0:
+            stages.append(("pos_drop", self.pos_drop))
+        stages += [(f"blocks.{i}", b) for i, b in enumerate(self.blocks)]
+        return stages + [("norm", self.norm), ("pool", self.pool), ("head", self.head)]
+
+    def forward(self, x):
+        """x: float images (B, H, W, C), channels last. Returns logits (B, K)."""
+        self.check_input(x)
+        for _, layer in self.stages():
+            x = layer.forward(x)
+        return x
+
+    def backward(self, dlogits):
+        """dlogits: (B, K), e.g. from minivit.cross_entropy. Returns dx (B, H, W, C)."""
+        K = self.config.num_classes
+        if not is_array(dlogits) or dlogits.ndim != 2 or dlogits.shape[1] != K:
+            raise ValueError(f"dlogits must be an array (B, {K}), got {getattr(dlogits, 'shape', type(dlogits))}")
+        dx = dlogits
+        for _, layer in reversed(self.stages()):
+            dx = layer.backward(dx)
+        return dx
+
+    __call__ = forward
+
+    @property
+    def backend(self):
+        """'numpy' or 'cupy': where the parameters live."""
+        return backend_of(self.params["pos_embed"])
+
+    def num_params(self):
+        return sum(int(p.size) for p in self.params.values())
+
+    def check_input(self, x):
+        """Refuse, before any work, what a student is likely to get wrong, saying what was expected."""
+        c = self.config
+        H, W = c.img_size
+        C = c.in_chans
+        expected = f"(B, {H}, {W}, {C})"
+        if not is_array(x):
+            raise TypeError(f"expected an image batch as a numpy or cupy array {expected}, got {type(x).__name__}")
+        if backend_of(x) != self.backend:
+            raise TypeError(f"the input is a {backend_of(x)} array but the model lives on {self.backend}: "
+                            f"move one of them (minivit.asarray(x, backend={self.backend!r}) or model.to(...))")
+        if x.ndim == 3 and tuple(x.shape) == (H, W, C):
+            raise ValueError(f"got one image {tuple(x.shape)}; the model takes a batch {expected}: use x[None]")
+        if x.ndim != 4:
+            raise ValueError(f"expected a 4-D image batch {expected}, got shape {tuple(x.shape)}")
+        if x.shape[1] == C and x.shape[3] != C:
+            raise ValueError(f"got shape {tuple(x.shape)}, which looks channels-first (B, C, H, W); minivit is "
+                             f"channels-last {expected}, as the paper and Pillow: use x.transpose(0, 2, 3, 1)")
+        if x.shape[3] != C:
+            raise ValueError(f"expected {C} channels {expected}, got shape {tuple(x.shape)}")
+        if tuple(x.shape[1:3]) != (H, W):
+            raise ValueError(f"expected images of {H}x{W} {expected}, got shape {tuple(x.shape)}; the model was "
+                             f"built for img_size={c.img_size} (resize the images or the position embeddings)")
+        if x.dtype.kind != "f":
+            raise TypeError(f"expected floating-point images, got dtype {x.dtype}: convert first, e.g. "
+                            f"x.astype('{self.dtype}') / 255, or minivit.augment.normalize(x, mean, std)")
+        if x.dtype != self.dtype:
+            raise TypeError(f"the input is {x.dtype} but the model is {self.dtype}: use x.astype('{self.dtype}')")
+
+    # ---- saving and loading ---------------------------------------------------------------------
+
+    def state_dict(self):
+        """Every parameter as a host NumPy copy, keyed by timm's names (minivit's layouts)."""
+        return {name: to_numpy(p).copy() for name, p in self.params.items()}
+
+    def load_state_dict(self, state):
+        """Copy parameters in from a dict of arrays. Strict: a missing, unexpected or mis-shaped key is
+        named in the error, and a refused load changes nothing."""
+        missing = sorted(set(self.params) - set(state))
+        unexpected = sorted(set(state) - set(self.params))
+        wrong = [f"{k}: expected {tuple(self.params[k].shape)}, got {tuple(state[k].shape)}"
+                 for k in self.params if k in state and tuple(state[k].shape) != tuple(self.params[k].shape)]
+        if missing or unexpected or wrong:
+            parts = []
+            if missing:
+                parts.append(f"missing keys {missing}")
+            if unexpected:
+                parts.append(f"unexpected keys {unexpected}")
+            if wrong:
+                parts.append("mis-shaped: " + "; ".join(wrong))
+            raise ValueError("load_state_dict refused (nothing was changed): " + ", ".join(parts))
+        for k, p in self.params.items():
+            p[...] = asarray(state[k], dtype=p.dtype, backend=backend_of(p))
+        return self
+
+    def extra_repr(self):
+        c = self.config
+        return (f"img_size={c.img_size}, patch_size={c.patch_size}, embed_dim={c.embed_dim}, depth={c.depth}, "
+                f"num_heads={c.num_heads}, num_classes={c.num_classes}, pool={c.pool!r}, dtype={self.dtype!r}, "
+                f"params={self.num_params():,}")
+
+
+# --------------------------------------------------------------------------------------------------
+# The shape trace
+# --------------------------------------------------------------------------------------------------
+
+_NOTES = {
+    "input": "x in R^{H x W x C}",
+    "patches": "x_p: N = HW/P^2 patches of P*P*C values (Eq. 1)",
+    "patch_embed": "x_p E, E in R^{(P^2 C) x D} (Eq. 1)",
+    "pos_embed": "z_0 = [x_class; x_p E] + E_pos (Eq. 1)",
+    "norm": "LN(z_L) (Eq. 4)",
+    "pool": "y = LN(z_L)^0, the class token (Eq. 4)",
+    "head": "logits = y W_head + b",
+}
+
+
+class Trace(list):
+    """A list of (stage, shape, note) rows; prints as a table. Shapes are per image (no batch axis)."""
+
+    def __str__(self):
+        width = max(len(r[0]) for r in self)
+        swidth = max(len(str(r[1])) for r in self)
+        return "\n".join(f"{name:<{width}}  {str(shape):<{swidth}}  {note}".rstrip() for name, shape, note in self)
+
+    def shapes(self):
+        return [shape for _, shape, _ in self]
+
+
+def trace(model, x, verbose=True):
+    """Run one forward stage by stage and return (and print) each stage's output shape, per image.
+
+    x: one image (H, W, C) or a batch (B, H, W, C), float. On ViT-B/16 with a 224x224x3 image:
+    (224, 224, 3) -> patches (196, 768) -> (196, 768) -> (197, 768) -> ... -> (1000,).
+    Runs in eval mode (no caches) and restores the model's mode afterwards.
+    """
+    if is_array(x) and x.ndim == 3:
+        x = x[None]
+    model.check_input(x)
+    was_training = model.training
+    model.eval()
+    try:
+        rows = Trace([("input", tuple(x.shape[1:]), _NOTES["input"]),
+                      ("patches", tuple(F.im2patch(x, model.config.patch_size).shape[1:]), _NOTES["patches"])])
+        for name, layer in model.stages():
+            x = layer.forward(x)
+            note = _NOTES.get(name, "")
+            if name.startswith("blocks."):
+                note = "z'_l = MSA(LN(z_{l-1})) + z_{l-1};  z_l = MLP(LN(z'_l)) + z'_l (Eqs. 2-3)"
+            if name == "pool" and model.config.pool == "gap":
+                note = "y = mean over tokens of LN(z_L) (global average pooling)"
+            rows.append((name, tuple(x.shape[1:]), note))
+    finally:
+        model.train(was_training)
+    if verbose:
+        print(rows)
+    return rows
+
+
+# --------------------------------------------------------------------------------------------------
+# Presets: timm's names and exactly timm's parameter counts (1000 classes), plus small CIFAR-10 models
+# --------------------------------------------------------------------------------------------------
+
+presets = {
+    "vit_tiny_patch16_224": ViTConfig(patch_size=16, embed_dim=192, depth=12, num_heads=3),     # 5,717,416
+    "vit_small_patch16_224": ViTConfig(patch_size=16, embed_dim=384, depth=12, num_heads=6),    # 22,050,664
+    "vit_base_patch16_224": ViTConfig(patch_size=16, embed_dim=768, depth=12, num_heads=12),    # 86,567,656
+    "vit_base_patch32_224": ViTConfig(patch_size=32, embed_dim=768, depth=12, num_heads=12),    # 88,224,232
+    "vit_large_patch16_224": ViTConfig(patch_size=16, embed_dim=1024, depth=24, num_heads=16),  # 304,326,632
+    "vit_huge_patch14_224": ViTConfig(patch_size=14, embed_dim=1280, depth=32, num_heads=16),   # 632,045,800
+    # CIFAR-10 from scratch: 32x32 images, patch 4 -> an 8x8 grid = 64 patches (+1 class token)
+    "vit_cifar_tiny": ViTConfig(img_size=32, patch_size=4, num_classes=10, embed_dim=192, depth=6,
+                                num_heads=3, mlp_ratio=2.0),
+    "vit_cifar_small": ViTConfig(img_size=32, patch_size=4, num_classes=10, embed_dim=384, depth=7,
+                                 num_heads=6, mlp_ratio=2.0),
+}
+
+
+def create_model(name, seed=0, dtype="float32", **overrides):
+    """A ViT from a preset name, with any ViTConfig field overridden: create_model("vit_cifar_tiny", depth=4)."""
+    if name not in presets:
+        raise ValueError(f"unknown preset {name!r}; choose one of {sorted(presets)}")
+    return ViT(dataclasses.replace(presets[name], **overrides), seed=seed, dtype=dtype)

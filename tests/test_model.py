@@ -1,0 +1,203 @@
+"""The assembled ViT: config checks, parameter counts, the shape trace, saving/loading, bad input."""
+
+import numpy as np
+import pytest
+
+import minivit
+from minivit import ViT, ViTConfig
+
+
+def tiny(**kw):
+    base = dict(img_size=16, patch_size=4, num_classes=4, embed_dim=16, depth=2, num_heads=2)
+    base.update(kw)
+    return ViTConfig(**base)
+
+
+TIMM_COUNTS = {"vit_tiny_patch16_224": 5_717_416, "vit_small_patch16_224": 22_050_664,
+               "vit_base_patch16_224": 86_567_656, "vit_large_patch16_224": 304_326_632,
+               "vit_huge_patch14_224": 632_045_800, "vit_base_patch32_224": 88_224_232}
+
+
+@pytest.mark.parametrize("name", sorted(TIMM_COUNTS))
+def test_presets_have_timms_parameter_counts(name):
+    assert minivit.presets[name].num_params() == TIMM_COUNTS[name]
+
+
+@pytest.mark.parametrize("config", [tiny(), tiny(pool="gap"), tiny(qkv_bias=False, img_size=(8, 12), in_chans=1),
+                                    minivit.presets["vit_cifar_tiny"]])
+def test_num_params_matches_the_allocated_model(config):
+    assert ViT(config).num_params() == config.num_params()
+
+
+def test_config_properties():
+    c = minivit.presets["vit_base_patch16_224"]
+    assert (c.img_size, c.grid_size, c.num_patches, c.seq_len) == ((224, 224), (14, 14), 196, 197)
+    assert tiny(pool="gap").seq_len == 16
+    assert ViTConfig.from_dict(c.to_dict()) == c
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(img_size=30, patch_size=4), r"img_size \(30, 30\) must be divisible by patch_size 4"),
+    (dict(embed_dim=10, num_heads=3), "embed_dim 10 must be divisible by num_heads 3"),
+    (dict(pool="max"), "pool must be 'cls' or 'gap', got 'max'"),
+    (dict(gelu="relu"), "gelu must be one of"),
+    (dict(depth=0), "depth must be a positive int, got 0"),
+    (dict(img_size="224"), "img_size must be an int or a pair"),
+    (dict(drop_rate=1.0), "drop_rate must be in"),
+])
+def test_config_errors_name_the_value(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        tiny(**kwargs)
+
+
+def test_unknown_dtype_is_refused():
+    with pytest.raises(ValueError, match="'float16'"):
+        ViT(tiny(), dtype="float16")
+
+
+def test_forward_shape_and_dtype(rng):
+    model = ViT(tiny())
+    logits = model.forward(minivit.asarray(rng.standard_normal((3, 16, 16, 3)), dtype="float32"))
+    assert logits.shape == (3, 4) and logits.dtype == np.float32
+
+
+def test_same_seed_same_model_other_seed_other_model():
+    a, b, c = ViT(tiny(), seed=3), ViT(tiny(), seed=3), ViT(tiny(), seed=4)
+    for k in a.params:
+        np.testing.assert_array_equal(minivit.to_numpy(a.params[k]), minivit.to_numpy(b.params[k]))
+    assert not np.array_equal(minivit.to_numpy(a.params["head.weight"]), minivit.to_numpy(c.params["head.weight"]))
+
+
+def test_parameter_names_are_timms():
+    names = set(ViT(tiny(depth=1)).params)
+    assert names == {"patch_embed.proj.weight", "patch_embed.proj.bias", "cls_token", "pos_embed",
+                     "blocks.0.norm1.weight", "blocks.0.norm1.bias", "blocks.0.attn.qkv.weight",
+                     "blocks.0.attn.qkv.bias", "blocks.0.attn.proj.weight", "blocks.0.attn.proj.bias",
+                     "blocks.0.norm2.weight", "blocks.0.norm2.bias", "blocks.0.mlp.fc1.weight",
+                     "blocks.0.mlp.fc1.bias", "blocks.0.mlp.fc2.weight", "blocks.0.mlp.fc2.bias",
+                     "norm.weight", "norm.bias", "head.weight", "head.bias"}
+
+
+def test_trace_of_vit_b16_is_the_papers():
+    model = ViT(minivit.presets["vit_base_patch16_224"])
+    rows = minivit.trace(model, minivit.asarray(np.zeros((224, 224, 3)), dtype="float32"), verbose=False)
+    shapes = dict((name, shape) for name, shape, _ in rows)
+    assert shapes["input"] == (224, 224, 3)
+    assert shapes["patches"] == (196, 768)
+    assert shapes["patch_embed"] == (196, 768)
+    assert shapes["pos_embed"] == (197, 768)
+    assert shapes["blocks.11"] == (197, 768)
+    assert shapes["pool"] == (768,) and shapes["head"] == (1000,)
+    assert [r[0] for r in rows][-3:] == ["norm", "pool", "head"]
+    assert "(197, 768)" in str(rows)
+    # the trace ran in eval mode and kept nothing for backward
+    assert all(layer.cache is None for _, layer in model.stages())
+
+
+def test_eval_mode_keeps_no_caches(rng):
+    model = ViT(tiny()).eval()
+    model.forward(minivit.asarray(rng.standard_normal((2, 16, 16, 3)), dtype="float32"))
+
+    def caches(layer):
+        found = [layer.cache] if layer.cache is not None else []
+        for child in layer.children.values():
+            found += caches(child)
+        return found
+
+    assert caches(model) == []
+    with pytest.raises(RuntimeError, match="training mode"):
+        model.backward(minivit.asarray(np.zeros((2, 4)), dtype="float32"))
+    model.train()
+    model.forward(minivit.asarray(rng.standard_normal((2, 16, 16, 3)), dtype="float32"))
+    assert len(caches(model)) > 10
+
+
+def test_backward_accumulates_until_zero_grad(rng):
+    model = ViT(tiny(), dtype="float64")
+    x = minivit.asarray(rng.standard_normal((2, 16, 16, 3)))
+    d = minivit.asarray(rng.standard_normal((2, 4)))
+    model.zero_grad()
+    model.forward(x)
+    model.backward(d)
+    once = minivit.to_numpy(model.grads["blocks.0.attn.qkv.weight"]).copy()
+    model.forward(x)
+    model.backward(d)
+    np.testing.assert_allclose(minivit.to_numpy(model.grads["blocks.0.attn.qkv.weight"]), 2 * once)
+    model.zero_grad()
+    assert all(float(abs(g).max()) == 0 for g in model.grads.values())
+
+
+def test_state_dict_round_trip():
+    a, b = ViT(tiny(), seed=1), ViT(tiny(), seed=2)
+    b.load_state_dict(a.state_dict())
+    for k in a.params:
+        np.testing.assert_array_equal(minivit.to_numpy(a.params[k]), minivit.to_numpy(b.params[k]))
+    sd = a.state_dict()
+    sd["head.bias"][...] = 5.0                    # a copy: changing it leaves the model alone
+    assert float(a.params["head.bias"][0]) == 0.0
+
+
+def test_refused_load_names_the_keys_and_changes_nothing():
+    model = ViT(tiny(), seed=1)
+    before = model.state_dict()
+    bad = ViT(tiny(), seed=2).state_dict()
+    del bad["norm.bias"]
+    bad["extra.weight"] = np.zeros(3)
+    bad["head.weight"] = np.zeros((16, 7))
+    with pytest.raises(ValueError) as err:
+        model.load_state_dict(bad)
+    msg = str(err.value)
+    assert "norm.bias" in msg and "extra.weight" in msg and "head.weight: expected (16, 4), got (16, 7)" in msg
+    for k, v in model.state_dict().items():
+        np.testing.assert_array_equal(v, before[k])
+
+
+@pytest.mark.parametrize("make, error, match", [
+    (lambda: np.zeros((16, 16, 3), "float32"), ValueError, r"one image .*x\[None\]"),
+    (lambda: np.zeros((2, 3, 16, 16), "float32"), ValueError, "channels-first"),
+    (lambda: np.zeros((2, 16, 16, 1), "float32"), ValueError, r"expected 3 channels \(B, 16, 16, 3\)"),
+    (lambda: np.zeros((2, 32, 32, 3), "float32"), ValueError, "expected images of 16x16"),
+    (lambda: np.zeros((2, 16, 16), "float32"), ValueError, "4-D image batch"),
+    (lambda: np.zeros((2, 16, 16, 3), "uint8"), TypeError, "floating-point.*astype"),
+    (lambda: np.zeros((2, 16, 16, 3), "float64"), TypeError, "float64 but the model is float32"),
+    (lambda: [[0.0]], TypeError, "got list"),
+])
+def test_bad_input_is_refused_clearly(make, error, match):
+    model = ViT(tiny())
+    x = make()
+    if isinstance(x, np.ndarray):
+        x = minivit.asarray(x)
+    with pytest.raises(error, match=match):
+        model.forward(x)
+
+
+def test_overfits_a_tiny_batch_with_plain_sgd(rng):
+    model = ViT(tiny(num_classes=4), seed=0, dtype="float64")
+    x = minivit.asarray(rng.standard_normal((8, 16, 16, 3)))
+    y = minivit.asarray(np.arange(8) % 4)
+    losses = []
+    for _ in range(100):
+        loss, dlogits = minivit.cross_entropy(model.forward(x), y)
+        model.zero_grad()
+        model.backward(dlogits)
+        for name, p in model.params.items():
+            p -= 0.3 * model.grads[name]
+        losses.append(loss)
+    assert losses[0] > 1.0 and losses[-1] < 0.05, losses[::10]
+
+
+def test_dropout_changes_training_but_not_eval(rng):
+    model = ViT(tiny(drop_rate=0.3, drop_path_rate=0.2))
+    x = minivit.asarray(rng.standard_normal((4, 16, 16, 3)), dtype="float32")
+    a, b = minivit.to_numpy(model.forward(x)), minivit.to_numpy(model.forward(x))
+    assert not np.allclose(a, b)                 # new masks each forward in training
+    model.eval()
+    c, d = minivit.to_numpy(model.forward(x)), minivit.to_numpy(model.forward(x))
+    np.testing.assert_array_equal(c, d)
+
+
+def test_model_moves_between_backends_by_name():
+    model = ViT(tiny()).to("numpy")
+    assert model.backend == "numpy"
+    with pytest.raises(ValueError, match="'gpu'"):
+        model.to("gpu")
