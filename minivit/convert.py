@@ -1,20 +1,40 @@
-"""Translate parameters between minivit's layouts and timm's. The names are the same; only the
-layouts differ:
+"""Translate parameters between minivit's layouts and the published ones, and read checkpoint files.
 
-    what                        timm (PyTorch)            minivit
-    linear weights              (out, in)                 (in, out)          y = x W + b
-    patch_embed.proj.weight     (D, C, P, P) a conv       (P*P*C, D)         rows in (P, P, C) order
-    everything else             same                      same
+The names minivit uses are timm's; the layouts are minivit's own:
 
-Both directions take and return dicts of host NumPy arrays (torch tensors are accepted as input and
-converted, without importing torch here).
+    what                  timm (PyTorch)              Google JAX release (.npz)              minivit
+    patch projection E    patch_embed.proj.weight     embedding/kernel (P, P, C, D)          (P*P*C, D), rows
+                          (D, C, P, P), a conv                                               in (P, P, C) order
+    linear weights        (out, in)                   Dense_*/kernel (in, out)               (in, out): y = x W + b
+    q, k, v               attn.qkv.weight (3D, D)     {query,key,value}/kernel (D, nh, hs)   attn.qkv.weight (D, 3D)
+                                                      and bias (nh, hs)                      columns [q | k | v]
+    attention output      attn.proj.weight (D, D)     out/kernel (nh, hs, D)                 attn.proj.weight (D, D)
+    LayerNorms            norm1, norm2, norm          LayerNorm_0, LayerNorm_2, encoder_norm scale -> weight
+    GELU                  erf (exact)                 tanh (Flax's approximation)            ViTConfig.gelu
+
+Loading a published checkpoint, or one of minivit's own (the format is told by the file's content):
+
+    config, state = load_checkpoint_file("ViT-B_16.npz")        # (ViTConfig, minivit state dict)
+    model = minivit.ViT.from_pretrained("ViT-B_16.npz", num_classes=10, img_size=384)
+
+Every function takes and returns host NumPy arrays (torch tensors are accepted and converted; torch
+is imported only to read a .pth/.bin file, safetensors only to read a .safetensors one).
 """
+
+import dataclasses
+import math
+import os
+import zipfile
 
 import numpy
 
 from .backend import to_numpy
+from .model import ViTConfig
 
 PATCH_KEY = "patch_embed.proj.weight"
+
+# num_heads cannot be read from timm's weights (one packed qkv matrix); the presets' widths tell it
+HEADS_BY_WIDTH = {192: 3, 384: 6, 768: 12, 1024: 16, 1280: 16}   # Ti, S, B, L, H (paper Table 1, DeiT)
 
 
 def _as_numpy(value):
@@ -25,6 +45,11 @@ def _as_numpy(value):
 
 def _is_linear_weight(name, value):
     return name.endswith(".weight") and value.ndim == 2 and name != PATCH_KEY
+
+
+# --------------------------------------------------------------------------------------------------
+# timm <-> minivit
+# --------------------------------------------------------------------------------------------------
 
 
 def from_timm(state_dict):
@@ -66,8 +91,534 @@ def to_timm(state_dict, patch_size, in_chans):
 def timm_kwargs(config):
     """The keyword arguments of timm.models.vision_transformer.VisionTransformer that build the same
     model as a minivit ViTConfig (the paper's GAP: final LayerNorm, then the mean, no fc_norm)."""
-    return dict(img_size=config.img_size, patch_size=config.patch_size, in_chans=config.in_chans,
-                num_classes=config.num_classes, embed_dim=config.embed_dim, depth=config.depth,
-                num_heads=config.num_heads, mlp_ratio=config.mlp_ratio, qkv_bias=config.qkv_bias,
-                class_token=config.pool == "cls", global_pool="token" if config.pool == "cls" else "avg",
-                fc_norm=False)
+    if config.representation_size is not None:
+        raise ValueError(f"timm's VisionTransformer has no representation layer (removed in timm 0.9), so "
+                         f"representation_size={config.representation_size} has no timm equivalent")
+    kwargs = dict(img_size=config.img_size, patch_size=config.patch_size, in_chans=config.in_chans,
+                  num_classes=config.num_classes, embed_dim=config.embed_dim, depth=config.depth,
+                  num_heads=config.num_heads, mlp_ratio=config.mlp_ratio, qkv_bias=config.qkv_bias,
+                  class_token=config.pool == "cls", global_pool="token" if config.pool == "cls" else "avg",
+                  fc_norm=False)
+    if config.gelu == "tanh":
+        kwargs["act_layer"] = "gelu_tanh"    # timm's name for nn.GELU(approximate="tanh")
+    return kwargs
+
+
+def expected_shapes(config):
+    """name -> shape of every parameter of a minivit ViT with this config (nothing is allocated)."""
+    c = config
+    D, M, P, C = c.embed_dim, c.mlp_dim, c.patch_size, c.in_chans
+    shapes = {"patch_embed.proj.weight": (P * P * C, D), "patch_embed.proj.bias": (D,)}
+    if c.pool == "cls":
+        shapes["cls_token"] = (1, 1, D)
+    shapes["pos_embed"] = (1, c.seq_len, D)
+    for i in range(c.depth):
+        b = f"blocks.{i}."
+        shapes.update({b + "norm1.weight": (D,), b + "norm1.bias": (D,), b + "attn.qkv.weight": (D, 3 * D)})
+        if c.qkv_bias:
+            shapes[b + "attn.qkv.bias"] = (3 * D,)
+        shapes.update({b + "attn.proj.weight": (D, D), b + "attn.proj.bias": (D,),
+                       b + "norm2.weight": (D,), b + "norm2.bias": (D,),
+                       b + "mlp.fc1.weight": (D, M), b + "mlp.fc1.bias": (M,),
+                       b + "mlp.fc2.weight": (M, D), b + "mlp.fc2.bias": (D,)})
+    shapes.update({"norm.weight": (D,), "norm.bias": (D,)})
+    head_in = D
+    if c.representation_size is not None:
+        R = head_in = c.representation_size
+        shapes.update({"pre_logits.fc.weight": (D, R), "pre_logits.fc.bias": (R,)})
+    shapes.update({"head.weight": (head_in, c.num_classes), "head.bias": (c.num_classes,)})
+    return shapes
+
+
+def _check_arrays(what, arrays, shapes):
+    """Refuse, naming the keys, a dict of arrays whose names or shapes are not those expected."""
+    missing = [k for k in shapes if k not in arrays]
+    unexpected = [k for k in arrays if k not in shapes]
+    wrong = [f"{k}: expected {tuple(shapes[k])}, got {tuple(arrays[k].shape)}"
+             for k in shapes if k in arrays and tuple(arrays[k].shape) != tuple(shapes[k])]
+    if not (missing or unexpected or wrong):
+        return
+
+    def some(items):
+        return ", ".join(items[:6]) + (f" and {len(items) - 6} more" if len(items) > 6 else "")
+
+    parts = []
+    if missing:
+        parts.append(f"missing {some(missing)}")
+    if unexpected:
+        parts.append(f"unexpected {some(unexpected)}")
+    if wrong:
+        parts.append(f"mis-shaped {some(wrong)}")
+    raise ValueError(f"{what} does not make a ViT as minivit builds it: " + "; ".join(parts))
+
+
+def _grid(num_patches, img_size, patch_size, what):
+    """img_size (H, W) of a checkpoint with num_patches position embeddings: the given one, checked, or
+    a square grid."""
+    if img_size is not None:
+        H, W = (img_size, img_size) if isinstance(img_size, int) else tuple(img_size)
+        if (H // patch_size) * (W // patch_size) != num_patches or H % patch_size or W % patch_size:
+            raise ValueError(f"img_size={img_size} with patch size {patch_size} gives a "
+                             f"{H // patch_size}x{W // patch_size} grid, but {what} has {num_patches} "
+                             f"patch position embeddings")
+        return H, W
+    g = math.isqrt(num_patches)
+    if g * g != num_patches:
+        raise ValueError(f"{what} has {num_patches} patch position embeddings, not a square grid: pass the "
+                         f"img_size (H, W) it was trained at")
+    return g * patch_size, g * patch_size
+
+
+def _say_gelu(verbose, what, gelu, why):
+    if verbose:
+        print(f"minivit.convert: {what}: gelu={gelu!r} ({why}); pass gelu=... to choose the other")
+
+
+def _mlp_ratio(M, D, what):
+    ratio = M / D
+    if int(D * ratio) != M:
+        raise ValueError(f"{what}: MLP width {M} is not int(mlp_ratio * {D}) for any float mlp_ratio")
+    return ratio
+
+
+def from_timm_checkpoint(state_dict, num_heads=None, img_size=None, gelu=None, num_classes=None, verbose=True):
+    """A timm VisionTransformer state dict (a dict of tensors or arrays) -> (ViTConfig, minivit state dict).
+
+    The config is read from the shapes. num_heads cannot be (timm packs all heads into one qkv matrix):
+    by default it is the preset's for the width (192: 3, 384: 6, 768: 12, 1024: 16, 1280: 16).
+    img_size: the checkpoint's resolution, needed only for a non-square patch grid. gelu: "erf" by
+    default (timm's nn.GELU). num_classes: as in new_head (None keeps the checkpoint's head).
+    """
+    sd = dict(state_dict)
+    what = "the timm state dict"
+    if PATCH_KEY not in sd:
+        raise ValueError(f"{what} has no {PATCH_KEY!r}, so it is not a timm ViT; its keys start with "
+                         f"{sorted(sd)[:5]}")
+    if "fc_norm.weight" in sd:
+        raise ValueError(f"{what} has fc_norm (a LayerNorm after average pooling, timm's default with "
+                         f"global_pool='avg'); minivit follows the paper (final LayerNorm, then the mean)")
+    kernel = _as_numpy(sd[PATCH_KEY])
+    if kernel.ndim != 4 or kernel.shape[2] != kernel.shape[3]:
+        raise ValueError(f"{what}: {PATCH_KEY} must be a (D, C, P, P) conv kernel, got {kernel.shape}")
+    D, C, P, _ = kernel.shape
+    depth = 0
+    while f"blocks.{depth}.norm1.weight" in sd:
+        depth += 1
+    if depth == 0 or f"blocks.0.mlp.fc1.weight" not in sd:
+        raise ValueError(f"{what} has no transformer blocks (blocks.0.norm1.weight, blocks.0.mlp.fc1.weight)")
+    if num_heads is None:
+        if D not in HEADS_BY_WIDTH:
+            raise ValueError(f"num_heads cannot be read from timm weights (the qkv projection packs all "
+                             f"heads), and width {D} is not a preset's ({sorted(HEADS_BY_WIDTH)}): pass num_heads")
+        num_heads = HEADS_BY_WIDTH[D]
+    M = tuple(sd["blocks.0.mlp.fc1.weight"].shape)[0]
+    class_token = "cls_token" in sd
+    if "pos_embed" not in sd or len(sd["pos_embed"].shape) != 3:
+        raise ValueError(f"{what} needs pos_embed (1, N+1, D), got "
+                         f"{tuple(sd['pos_embed'].shape) if 'pos_embed' in sd else 'none'}")
+    num_patches = sd["pos_embed"].shape[1] - (1 if class_token else 0)
+    H, W = _grid(num_patches, img_size, P, what)
+    R = tuple(sd["pre_logits.fc.weight"].shape)[0] if "pre_logits.fc.weight" in sd else None
+    K = tuple(sd["head.weight"].shape)[0] if "head.weight" in sd else None
+    if gelu is None:
+        gelu = "erf"
+        _say_gelu(verbose, "timm checkpoint", gelu, "timm's nn.GELU; a model made with act_layer='gelu_tanh' "
+                                                   "needs 'tanh'")
+    config = ViTConfig(img_size=(H, W), patch_size=P, in_chans=C, num_classes=K or num_classes or 1,
+                       embed_dim=D, depth=depth, num_heads=num_heads, mlp_ratio=_mlp_ratio(M, D, what),
+                       pool="cls" if class_token else "gap", qkv_bias="blocks.0.attn.qkv.bias" in sd,
+                       gelu=gelu, representation_size=R if K else None)
+    state = from_timm(sd)
+    shapes = expected_shapes(config)
+    if K is None:  # a headless checkpoint (timm's num_classes=0): the head comes from new_head below
+        shapes = {k: v for k, v in shapes.items() if not k.startswith(("head.", "pre_logits."))}
+        state = {k: v for k, v in state.items() if not k.startswith("pre_logits.")}
+    _check_arrays(what, state, shapes)
+    return _finish_head(config, state, K, num_classes, what)
+
+
+# --------------------------------------------------------------------------------------------------
+# The original JAX release (google-research/vision_transformer) <-> minivit
+# --------------------------------------------------------------------------------------------------
+
+
+def google_shapes(config):
+    """name -> shape of every array in the JAX release's .npz for a config: the layout, as a table."""
+    c = config
+    D, M, P, C, nh = c.embed_dim, c.mlp_dim, c.patch_size, c.in_chans, c.num_heads
+    hs = D // nh
+    shapes = {"embedding/kernel": (P, P, C, D), "embedding/bias": (D,)}
+    if c.pool == "cls":
+        shapes["cls"] = (1, 1, D)
+    shapes["Transformer/posembed_input/pos_embedding"] = (1, c.seq_len, D)
+    for i in range(c.depth):
+        b = f"Transformer/encoderblock_{i}/"
+        a = b + "MultiHeadDotProductAttention_1/"
+        for ln in ("LayerNorm_0", "LayerNorm_2"):
+            shapes.update({f"{b}{ln}/scale": (D,), f"{b}{ln}/bias": (D,)})
+        for name in ("query", "key", "value"):
+            shapes.update({f"{a}{name}/kernel": (D, nh, hs), f"{a}{name}/bias": (nh, hs)})
+        shapes.update({a + "out/kernel": (nh, hs, D), a + "out/bias": (D,),
+                       b + "MlpBlock_3/Dense_0/kernel": (D, M), b + "MlpBlock_3/Dense_0/bias": (M,),
+                       b + "MlpBlock_3/Dense_1/kernel": (M, D), b + "MlpBlock_3/Dense_1/bias": (D,)})
+    shapes.update({"Transformer/encoder_norm/scale": (D,), "Transformer/encoder_norm/bias": (D,)})
+    head_in = D
+    if c.representation_size is not None:
+        R = head_in = c.representation_size
+        shapes.update({"pre_logits/kernel": (D, R), "pre_logits/bias": (R,)})
+    shapes.update({"head/kernel": (head_in, c.num_classes), "head/bias": (c.num_classes,)})
+    return shapes
+
+
+# minivit name (within a block, after "blocks.{i}.") -> the JAX name (after "Transformer/encoderblock_{i}/")
+_GOOGLE_BLOCK = {"norm1.weight": "LayerNorm_0/scale", "norm1.bias": "LayerNorm_0/bias",
+                 "norm2.weight": "LayerNorm_2/scale", "norm2.bias": "LayerNorm_2/bias",
+                 "attn.proj.bias": "MultiHeadDotProductAttention_1/out/bias",
+                 "mlp.fc1.weight": "MlpBlock_3/Dense_0/kernel", "mlp.fc1.bias": "MlpBlock_3/Dense_0/bias",
+                 "mlp.fc2.weight": "MlpBlock_3/Dense_1/kernel", "mlp.fc2.bias": "MlpBlock_3/Dense_1/bias"}
+_GOOGLE_TOP = {"patch_embed.proj.bias": "embedding/bias", "cls_token": "cls",
+               "pos_embed": "Transformer/posembed_input/pos_embedding",
+               "norm.weight": "Transformer/encoder_norm/scale", "norm.bias": "Transformer/encoder_norm/bias",
+               "pre_logits.fc.weight": "pre_logits/kernel", "pre_logits.fc.bias": "pre_logits/bias",
+               "head.weight": "head/kernel", "head.bias": "head/bias"}
+
+
+def _google_arrays(path_or_arrays):
+    """The arrays of a JAX-layout checkpoint, keys without any 'opt/target/' prefix."""
+    if isinstance(path_or_arrays, (str, os.PathLike)):
+        kind, arrays = read_checkpoint_file(path_or_arrays)
+        if kind != "google":
+            raise ValueError(f"{os.fspath(path_or_arrays)!r} is a {kind} checkpoint, not the JAX release's "
+                             f".npz: use load_checkpoint_file")
+    else:
+        arrays = {k: _as_numpy(v) for k, v in dict(path_or_arrays).items()}
+    if "opt/target/embedding/kernel" in arrays:   # early checkpoints saved the optimizer's target
+        arrays = {k[len("opt/target/"):]: v for k, v in arrays.items() if k.startswith("opt/target/")}
+    if any(k.startswith("params/") for k in arrays) or "pos_embedding" in arrays:
+        raise ValueError("this is a big_vision checkpoint (params/..., stacked blocks), not the original "
+                         "JAX release's layout; minivit reads only the latter")
+    if "conv_root/kernel" in arrays:
+        raise ValueError("this is a hybrid (ResNet + ViT, paper §3.1) checkpoint; minivit has no ResNet stem")
+    return arrays
+
+
+def from_google_npz(path_or_arrays, num_heads=None, img_size=None, gelu=None, num_classes=None, verbose=True):
+    """The original JAX release's .npz (a path, or a dict of its arrays) -> (ViTConfig, minivit state dict).
+
+    Everything is read from the shapes: P, C, D from embedding/kernel (P, P, C, D); nh, hs from a
+    query kernel (D, nh, hs); M from Dense_0; K from the head; R from pre_logits when present; the class
+    token from `cls` (without it, a GAP model). num_heads, if given, must agree. img_size: the
+    checkpoint's resolution, needed only for a non-square grid. gelu: "tanh" by default (the Flax
+    models' approximation), said in a message. num_classes: as in new_head (None keeps the head).
+    """
+    a = _google_arrays(path_or_arrays)
+    what = "the JAX checkpoint"
+    if "embedding/kernel" not in a:
+        raise ValueError(f"{what} has no 'embedding/kernel', so it is not a ViT in the JAX release's layout; "
+                         f"its keys start with {sorted(a)[:5]}")
+    kernel = a["embedding/kernel"]
+    if kernel.ndim != 4 or kernel.shape[0] != kernel.shape[1]:
+        raise ValueError(f"{what}: embedding/kernel must be (P, P, C, D), got {kernel.shape}")
+    P, _, C, D = kernel.shape
+    depth = 0
+    while f"Transformer/encoderblock_{depth}/LayerNorm_0/scale" in a:
+        depth += 1
+    attn0 = "Transformer/encoderblock_0/MultiHeadDotProductAttention_1/"
+    mlp0 = "Transformer/encoderblock_0/MlpBlock_3/Dense_0/kernel"
+    if depth == 0 or attn0 + "query/kernel" not in a or mlp0 not in a:
+        raise ValueError(f"{what} has no encoder blocks (missing {attn0}query/kernel or {mlp0})")
+    q = a[attn0 + "query/kernel"]
+    if q.ndim != 3 or q.shape[0] != D or q.shape[1] * q.shape[2] != D:
+        raise ValueError(f"{what}: {attn0}query/kernel must be (D, nh, hs) with nh * hs = D = {D}, "
+                         f"got {q.shape}")
+    nh = q.shape[1]
+    if num_heads is not None and num_heads != nh:
+        raise ValueError(f"num_heads={num_heads}, but the checkpoint's query kernel {q.shape} has {nh} heads")
+    M = a[mlp0].shape[-1]
+    class_token = "cls" in a
+    pos = a.get("Transformer/posembed_input/pos_embedding")
+    if pos is None or pos.ndim != 3:
+        raise ValueError(f"{what} needs Transformer/posembed_input/pos_embedding (1, N+1, D), got "
+                         f"{'none' if pos is None else pos.shape}")
+    H, W = _grid(pos.shape[1] - (1 if class_token else 0), img_size, P, what)
+    R = a["pre_logits/kernel"].shape[-1] if "pre_logits/kernel" in a else None
+    K = a["head/kernel"].shape[-1] if "head/kernel" in a else None
+    if gelu is None:
+        gelu = "tanh"
+        _say_gelu(verbose, "JAX checkpoint", gelu, "Flax's nn.gelu, the tanh approximation, as the models "
+                                                  "were trained")
+    config = ViTConfig(img_size=(H, W), patch_size=P, in_chans=C, num_classes=K or num_classes or 1,
+                       embed_dim=D, depth=depth, num_heads=nh, mlp_ratio=_mlp_ratio(M, D, what),
+                       pool="cls" if class_token else "gap", qkv_bias=True, gelu=gelu,
+                       representation_size=R if K else None)
+    shapes = google_shapes(config)
+    if K is None:
+        shapes = {k: v for k, v in shapes.items() if not k.startswith(("head/", "pre_logits/"))}
+        a = {k: v for k, v in a.items() if not k.startswith("pre_logits/")}
+    _check_arrays(what, a, shapes)
+
+    state = {"patch_embed.proj.weight": kernel.reshape(P * P * C, D)}   # (P, P, C, D) -> (P*P*C, D)
+    for name, key in _GOOGLE_TOP.items():
+        if key in a:
+            state[name] = a[key]
+    for i in range(depth):
+        b, g = f"blocks.{i}.", f"Transformer/encoderblock_{i}/"
+        for name, key in _GOOGLE_BLOCK.items():
+            state[b + name] = a[g + key]
+        att = g + "MultiHeadDotProductAttention_1/"
+        # (D, nh, hs) -> (D, D): head h's columns are h*hs ... h*hs + hs - 1, as in minivit's qkv
+        state[b + "attn.qkv.weight"] = numpy.concatenate(
+            [a[f"{att}{n}/kernel"].reshape(D, D) for n in ("query", "key", "value")], axis=1)   # (D, 3D)
+        state[b + "attn.qkv.bias"] = numpy.concatenate(
+            [a[f"{att}{n}/bias"].reshape(D) for n in ("query", "key", "value")])                # (3D,)
+        state[b + "attn.proj.weight"] = a[att + "out/kernel"].reshape(D, D)   # (nh, hs, D) -> (D, D)
+    state = {k: numpy.ascontiguousarray(v) for k, v in state.items()}
+    return _finish_head(config, state, K, num_classes, what)
+
+
+def to_google_npz(state_dict, config, path=None):
+    """minivit's state dict -> the JAX release's arrays (the inverse of from_google_npz); written to
+    path with numpy.savez when given. Returns the dict of arrays."""
+    c = config
+    if not c.qkv_bias:
+        raise ValueError("the JAX layout always has q, k, v biases: a qkv_bias=False model has no such file")
+    _check_arrays("the state dict", state_dict, expected_shapes(c))
+    sd = {k: _as_numpy(v) for k, v in state_dict.items()}
+    D, P, C, nh = c.embed_dim, c.patch_size, c.in_chans, c.num_heads
+    hs = D // nh
+    out = {"embedding/kernel": sd[PATCH_KEY].reshape(P, P, C, D)}            # (P*P*C, D) -> (P, P, C, D)
+    for name, key in _GOOGLE_TOP.items():
+        if name in sd:
+            out[key] = sd[name]
+    for i in range(c.depth):
+        b, g = f"blocks.{i}.", f"Transformer/encoderblock_{i}/"
+        for name, key in _GOOGLE_BLOCK.items():
+            out[g + key] = sd[b + name]
+        att = g + "MultiHeadDotProductAttention_1/"
+        w, bias = sd[b + "attn.qkv.weight"], sd[b + "attn.qkv.bias"]          # (D, 3D), (3D,)
+        for j, n in enumerate(("query", "key", "value")):
+            out[f"{att}{n}/kernel"] = w[:, j * D:(j + 1) * D].reshape(D, nh, hs)   # (D, nh, hs)
+            out[f"{att}{n}/bias"] = bias[j * D:(j + 1) * D].reshape(nh, hs)        # (nh, hs)
+        out[att + "out/kernel"] = sd[b + "attn.proj.weight"].reshape(nh, hs, D)    # (nh, hs, D)
+    out = {k: numpy.ascontiguousarray(v) for k, v in out.items()}
+    if path is not None:
+        numpy.savez(path, **out)
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Fine-tuning: a new head, position embeddings for another resolution
+# --------------------------------------------------------------------------------------------------
+
+
+def new_head(config, state, num_classes):
+    """A zero-initialised D -> K head in place of the checkpoint's, and no representation layer: the
+    paper's fine-tuning (§3.1; the JAX release drops pre_logits the same way). Returns (config, state)."""
+    if not isinstance(num_classes, int) or isinstance(num_classes, bool) or num_classes < 1:
+        raise ValueError(f"num_classes must be a positive int, got {num_classes!r}")
+    dtype = numpy.asarray(state["pos_embed"]).dtype
+    state = {k: v for k, v in state.items() if not k.startswith(("head.", "pre_logits."))}
+    state["head.weight"] = numpy.zeros((config.embed_dim, num_classes), dtype)   # (D, K)
+    state["head.bias"] = numpy.zeros((num_classes,), dtype)                      # (K,)
+    return dataclasses.replace(config, num_classes=num_classes, representation_size=None), state
+
+
+def _finish_head(config, state, K, num_classes, what):
+    """Keep the checkpoint's head (num_classes None or equal to its K), or put a new one."""
+    if K is None and num_classes is None:
+        raise ValueError(f"{what} has no head (a feature extractor): pass num_classes to get a new, "
+                         f"zero-initialised one")
+    if K is None or (num_classes is not None and num_classes != K):
+        return new_head(config, state, num_classes)
+    return config, state
+
+
+def resize_pos_embed(pos_embed, old_grid, new_grid, num_prefix_tokens=1):
+    """Position embeddings for another patch grid (paper §3.2): the patch part, seen as a
+    (gh, gw, D) image, is resized by bilinear interpolation with corners aligned (the JAX release's
+    scipy.ndimage.zoom(order=1); timm's own loader uses align_corners=False instead); the first
+    num_prefix_tokens rows (the class token's) are kept as they are.
+
+    pos_embed: (1, T + gh*gw, D), T = num_prefix_tokens; old_grid (gh, gw), new_grid (gh', gw').
+    Returns (1, T + gh'*gw', D), in pos_embed's dtype. Computed on the host in float64.
+    """
+    pos_embed = _as_numpy(pos_embed)
+    (gh, gw), (nh_, nw) = tuple(old_grid), tuple(new_grid)
+    T = num_prefix_tokens
+    if pos_embed.ndim != 3 or pos_embed.shape[0] != 1 or pos_embed.shape[1] != T + gh * gw:
+        raise ValueError(f"pos_embed must be (1, {T} + {gh}*{gw}, D) for grid {(gh, gw)} with {T} prefix "
+                         f"token(s), got {pos_embed.shape}")
+    if min(gh, gw, nh_, nw) < 1:
+        raise ValueError(f"grids must be at least 1x1, got {old_grid} -> {new_grid}")
+    D = pos_embed.shape[2]
+    prefix = pos_embed[:, :T]                                           # (1, T, D): kept as is
+    grid = pos_embed[0, T:].reshape(gh, gw, D).astype(numpy.float64)    # (gh, gw, D)
+    grid = _linear_resize(grid, nh_, axis=0)                            # (gh', gw, D)
+    grid = _linear_resize(grid, nw, axis=1)                             # (gh', gw', D)
+    grid = grid.reshape(1, nh_ * nw, D).astype(pos_embed.dtype)         # (1, gh'*gw', D)
+    return numpy.concatenate([prefix, grid], axis=1)                    # (1, T + gh'*gw', D)
+
+
+def _linear_resize(a, n_new, axis):
+    """Linear interpolation of a along axis to n_new samples, the first and last samples kept
+    (corners aligned): new sample j sits at old position j (n_old - 1) / (n_new - 1)."""
+    n_old = a.shape[axis]
+    pos = numpy.linspace(0.0, n_old - 1, n_new)                # where each new sample sits, in old units
+    lo = numpy.minimum(numpy.floor(pos).astype(int), n_old - 1)
+    hi = numpy.minimum(lo + 1, n_old - 1)
+    w = (pos - lo).reshape([-1 if i == axis else 1 for i in range(a.ndim)])   # broadcast along axis
+    return (1.0 - w) * numpy.take(a, lo, axis=axis) + w * numpy.take(a, hi, axis=axis)
+
+
+def resize_state_dict(config, state, img_size):
+    """(config, state) for images of img_size, same patch size: the position embeddings resized with
+    resize_pos_embed, everything else as it is. Returns (new config, new state)."""
+    new_config = dataclasses.replace(config, img_size=img_size)   # checks that P divides img_size
+    if new_config.grid_size == config.grid_size:
+        return new_config, dict(state)
+    state = dict(state)
+    T = 1 if config.pool == "cls" else 0
+    state["pos_embed"] = resize_pos_embed(state["pos_embed"], config.grid_size, new_config.grid_size, T)
+    return new_config, state
+
+
+# --------------------------------------------------------------------------------------------------
+# Files: told apart by their content
+# --------------------------------------------------------------------------------------------------
+
+
+def read_checkpoint_file(path):
+    """Read a checkpoint's arrays, the format told by the file's first bytes. Returns (kind, arrays):
+    kind "google" (an .npz in the JAX release's layout), "timm" (.safetensors, a PyTorch .pth/.bin, or
+    an .npz with timm's names) or "minivit" (minivit.checkpoint's .npz; arrays: its parameters), arrays
+    a dict of host NumPy arrays. Raises FileNotFoundError for a missing file and ValueError for a file
+    of another kind or a truncated one."""
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"no checkpoint file at {path!r}")
+    if os.path.isdir(path):
+        raise ValueError(f"{path!r} is a directory: pass the checkpoint file inside it "
+                         f"(e.g. model.safetensors, pytorch_model.bin or the .npz)")
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(16)
+    if size == 0:
+        raise ValueError(f"{path!r} is empty (0 bytes): an interrupted download?")
+    if head.startswith(b"PK"):                            # a zip: numpy's .npz or torch.save's format
+        return _read_zip(path, size)
+    if head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"):  # a pickle: old torch.save
+        return "timm", _read_torch(path)
+    if head.startswith(b"\x93NUMPY"):
+        raise ValueError(f"{path!r} is a single NumPy array (.npy), not a checkpoint of named arrays")
+    if len(head) >= 9 and head[8:9] == b"{":              # safetensors: u64 header length, JSON header
+        header_len = int.from_bytes(head[:8], "little")
+        if 8 + header_len > size:
+            raise ValueError(f"{path!r} looks like a .safetensors file but is truncated: its header alone "
+                             f"needs {8 + header_len} bytes and the file has {size}")
+        return "timm", _read_safetensors(path)
+    raise ValueError(f"{path!r} is not a checkpoint minivit can read (the JAX release's .npz, timm's "
+                     f".safetensors, .pth or .bin): it starts with {head[:12]!r}{_what_it_looks_like(head)}")
+
+
+def _what_it_looks_like(head):
+    if head.startswith(b"\x1f\x8b"):
+        return ", a gzip file (extract it first)"
+    if head.startswith(b"\x89HDF"):
+        return ", an HDF5 file (Keras .h5?)"
+    if head.startswith((b"<", b"{", b"[")) or all(32 <= c < 127 or c in (9, 10, 13) for c in head):
+        return ", which looks like text (an HTML error page or a Git LFS pointer instead of the weights?)"
+    return ""
+
+
+def _read_zip(path, size):
+    try:
+        with zipfile.ZipFile(path) as z:
+            names = z.namelist()
+    except zipfile.BadZipFile as e:
+        raise ValueError(f"{path!r} is a zip archive (.npz or PyTorch) that cannot be opened, probably "
+                         f"truncated ({size} bytes): {e}") from None
+    if any(n.endswith("data.pkl") for n in names):
+        return "timm", _read_torch(path)
+    if not names or not all(n.endswith(".npy") for n in names):
+        raise ValueError(f"{path!r} is a zip archive but neither an .npz nor a PyTorch checkpoint "
+                         f"(members: {names[:5]})")
+    try:
+        with numpy.load(path, allow_pickle=False) as npz:
+            arrays = {k: npz[k] for k in npz.files}
+    except (ValueError, OSError, EOFError, zipfile.BadZipFile) as e:
+        raise ValueError(f"{path!r}: an .npz whose arrays cannot be read, truncated or corrupt? ({e})") from None
+    if "meta" in arrays and any(k.startswith("param/") for k in arrays):   # minivit.checkpoint's own files
+        return "minivit", {k[len("param/"):]: v for k, v in arrays.items() if k.startswith("param/")}
+    bad = [f"{k} ({v.dtype})" for k, v in arrays.items() if v.dtype.kind != "f"]
+    if bad:
+        raise ValueError(f"{path!r}: expected floating-point arrays, got {bad[:3]} (bfloat16 is stored as "
+                         f"raw V2 bytes: convert it to float32 first)")
+    keys = list(arrays)
+    if any(k.endswith("embedding/kernel") or k.startswith("Transformer/") for k in keys):
+        return "google", arrays
+    if PATCH_KEY in arrays and arrays[PATCH_KEY].ndim == 4:
+        return "timm", arrays
+    raise ValueError(f"{path!r} is an .npz, but its arrays are neither the JAX release's ViT "
+                     f"(embedding/kernel, Transformer/...) nor timm's (a 4-D {PATCH_KEY}); keys: {sorted(keys)[:5]}")
+
+
+def _read_safetensors(path):
+    try:
+        from safetensors.numpy import load_file
+    except ImportError:
+        raise ImportError(f"{path!r} is a .safetensors file: reading it needs the safetensors package "
+                          f"(pip install safetensors; no torch needed)") from None
+    try:
+        return load_file(path)
+    except Exception as e:  # safetensors raises its own SafetensorError; truncated data lands here too
+        raise ValueError(f"{path!r}: a .safetensors file that cannot be read, truncated or corrupt? "
+                         f"({type(e).__name__}: {e})") from None
+
+
+def _read_torch(path):
+    try:
+        import torch
+    except ImportError:
+        raise ImportError(f"{path!r} is a PyTorch checkpoint: reading it needs torch, or convert it to "
+                          f".safetensors where torch is installed") from None
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise ValueError(f"{path!r}: a PyTorch checkpoint that cannot be read, truncated or not a plain "
+                         f"state dict? ({type(e).__name__}: {e})") from None
+    for key in ("model", "state_dict", "model_state_dict"):   # training checkpoints nest the weights
+        if isinstance(obj, dict) and isinstance(obj.get(key), dict):
+            obj = obj[key]
+    if not isinstance(obj, dict):
+        raise ValueError(f"{path!r} holds a {type(obj).__name__}, not a state dict of tensors")
+    arrays = {k: (v.float() if v.dtype in (torch.bfloat16, torch.float16) else v).detach().numpy()
+              for k, v in obj.items() if isinstance(v, torch.Tensor)}
+    if not arrays:
+        raise ValueError(f"{path!r} holds a dict without tensors (keys {list(obj)[:5]})")
+    return arrays
+
+
+def load_checkpoint_file(path, num_heads=None, img_size=None, gelu=None, num_classes=None, verbose=True):
+    """Any checkpoint minivit reads -> (ViTConfig, minivit state dict): read_checkpoint_file, then
+    from_google_npz or from_timm_checkpoint (their arguments have the same meaning)."""
+    kind, arrays = read_checkpoint_file(path)
+    if kind == "minivit":
+        return _from_minivit_checkpoint(path, arrays, num_heads, img_size, gelu, num_classes)
+    convert = from_google_npz if kind == "google" else from_timm_checkpoint
+    return convert(arrays, num_heads=num_heads, img_size=img_size, gelu=gelu, num_classes=num_classes,
+                   verbose=verbose)
+
+
+def _from_minivit_checkpoint(path, params, num_heads, img_size, gelu, num_classes):
+    """A checkpoint written by minivit.checkpoint (the trainer's): its config is in its metadata."""
+    from .checkpoint import load_checkpoint   # the trainer's format; it builds on model.py, as this file
+    what = f"the minivit checkpoint {os.fspath(path)!r}"
+    config = ViTConfig.from_dict(load_checkpoint(path)["meta"]["config"])
+    if num_heads is not None and num_heads != config.num_heads:
+        raise ValueError(f"num_heads={num_heads}, but {what} was saved with {config.num_heads}")
+    if img_size is not None and dataclasses.replace(config, img_size=img_size).img_size != config.img_size:
+        raise ValueError(f"img_size={img_size}, but {what} was saved for {config.img_size}")
+    if gelu is not None:
+        config = dataclasses.replace(config, gelu=gelu)
+    _check_arrays(what, params, expected_shapes(config))
+    return _finish_head(config, params, config.num_classes, num_classes, what)

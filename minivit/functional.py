@@ -13,11 +13,17 @@ Letters used in every shape comment (the paper's and timm's names):
     K   classes (num_classes)
 
 No numpy import here: ``xp = get_array_module(x)`` is numpy or cupy, whichever x lives in.
+
+Fast paths. LayerNorm, GELU and softmax are a handful of elementwise passes each; for float32 arrays
+they run from minivit/kernels.py instead: the same math in cache-sized blocks on the CPU, one fused
+kernel on the GPU (``fast = fast_kernels(x)`` at the top of those pairs; tests/test_fast_paths.py checks
+them against the lines here). float64, and everything with ``minivit.backend.set_fast_kernels(False)``,
+runs the lines written here.
 """
 
 import math
 
-from .backend import erf, get_array_module
+from .backend import erf, fast_kernels, get_array_module
 
 # --------------------------------------------------------------------------------------------------
 # Patches (paper Eq. 1: x in R^{H x W x C} -> x_p in R^{N x (P^2 C)})
@@ -57,23 +63,25 @@ def patch2im(patches, patch_size, img_size):
 
 
 def linear_forward(x, weight, bias=None):
-    """y = x @ W + b.  x: (..., in), weight: (in, out), bias: (out,) or None. Returns y (..., out)."""
-    y = x @ weight                                            # (..., out)
+    """y = x @ W + b.  x: (..., in), weight: (in, out), bias: (out,) or None. Returns y (..., out).
+    All leading axes are folded into one, so each product is a single 2-D matrix multiply (one BLAS call)."""
+    d_in, d_out = weight.shape
+    x2 = x.reshape(-1, d_in)                                  # (rows, in), rows = all leading axes
+    y = x2 @ weight                                           # (rows, out)
     if bias is not None:
         y += bias
-    return y, (x, weight)
+    return y.reshape(*x.shape[:-1], d_out), (x2, weight)      # (..., out)
 
 
 def linear_backward(dout, cache):
     """dx = dout W^T, dW = x^T dout (summed over every leading axis), db = sum of dout."""
-    x, weight = cache
+    x2, weight = cache
     d_in, d_out = weight.shape
-    dx = dout @ weight.T                                      # (..., in)
-    x2 = x.reshape(-1, d_in)                                  # (rows, in), rows = all leading axes
     dout2 = dout.reshape(-1, d_out)                           # (rows, out)
+    dx = dout2 @ weight.T                                     # (rows, in)
     dweight = x2.T @ dout2                                    # (in, out)
     dbias = dout2.sum(0)                                      # (out,)
-    return dx, dweight, dbias
+    return dx.reshape(*dout.shape[:-1], d_in), dweight, dbias  # (..., in)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -84,6 +92,9 @@ def linear_backward(dout, cache):
 def layernorm_forward(x, weight, bias, eps=1e-6):
     """out = (x - mean) / sqrt(var + eps) * weight + bias, over the last axis.
     x: (..., D); weight, bias: (D,). Returns out (..., D) and the cache for backward."""
+    fast = fast_kernels(x)
+    if fast:                                                  # float32: the same, fused (kernels.py)
+        return fast.layernorm_forward(x, weight, bias, eps)
     xp = get_array_module(x)
     mean = x.mean(-1, keepdims=True)                          # (..., 1)
     xc = x - mean                                             # (..., D)
@@ -95,6 +106,9 @@ def layernorm_forward(x, weight, bias, eps=1e-6):
 
 def layernorm_backward(dout, cache):
     """dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)), with dxhat = dout * weight."""
+    fast = fast_kernels(dout)
+    if fast:
+        return fast.layernorm_backward(dout, cache)
     xhat, rstd, weight = cache
     D = xhat.shape[-1]
     dweight = (dout * xhat).reshape(-1, D).sum(0)             # (D,)
@@ -120,27 +134,34 @@ GELU_KINDS = ("erf", "tanh")
 def gelu_forward(x, approximate="erf"):
     """erf:  gelu(x) = x * 0.5 * (1 + erf(x / sqrt 2))
     tanh: gelu(x) = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
-    x: any shape. Returns (out, cache) with out of x's shape."""
+    x: any shape. Returns (out, cache) with out of x's shape. The cache is x alone: backward computes
+    Phi(x) (or t) again rather than keeping a second array of x's size, as PyTorch does."""
+    if approximate not in GELU_KINDS:
+        raise ValueError(f"GELU approximate must be one of {GELU_KINDS}, got {approximate!r}")
+    fast = fast_kernels(x)
+    if fast:                                                  # float32: the same, fused (kernels.py)
+        return fast.gelu_forward(x, approximate)
     xp = get_array_module(x)
     if approximate == "erf":
         cdf = 0.5 * (1.0 + erf(x / _SQRT_2))                  # Phi(x)
-        return x * cdf, (x, cdf, approximate)
-    if approximate == "tanh":
-        t = xp.tanh(_SQRT_2_OVER_PI * (x + 0.044715 * x ** 3))
-        return 0.5 * x * (1.0 + t), (x, t, approximate)
-    raise ValueError(f"GELU approximate must be one of {GELU_KINDS}, got {approximate!r}")
+        return x * cdf, (x, approximate)
+    t = xp.tanh(_SQRT_2_OVER_PI * (x + 0.044715 * x ** 3))
+    return 0.5 * x * (1.0 + t), (x, approximate)
 
 
 def gelu_backward(dout, cache):
     """erf:  d gelu / dx = Phi(x) + x phi(x), phi(x) = exp(-x^2/2) / sqrt(2 pi)
     tanh: d gelu / dx = 0.5 (1 + t) + 0.5 x (1 - t^2) sqrt(2/pi) (1 + 3 * 0.044715 x^2)"""
-    x, c, approximate = cache
+    fast = fast_kernels(dout)
+    if fast:
+        return fast.gelu_backward(dout, cache)
+    x, approximate = cache
     xp = get_array_module(x)
     if approximate == "erf":
-        cdf = c
+        cdf = 0.5 * (1.0 + erf(x / _SQRT_2))                  # Phi(x), again
         pdf = _INV_SQRT_2PI * xp.exp(-0.5 * x * x)            # phi(x)
         return dout * (cdf + x * pdf)
-    t = c
+    t = xp.tanh(_SQRT_2_OVER_PI * (x + 0.044715 * x ** 3))   # t, again
     dt = (1.0 - t * t) * _SQRT_2_OVER_PI * (1.0 + 3 * 0.044715 * x * x)
     return dout * (0.5 * (1.0 + t) + 0.5 * x * dt)
 
@@ -153,6 +174,9 @@ def gelu_backward(dout, cache):
 def softmax_forward(x):
     """softmax(x)_j = exp(x_j - max x) / sum_k exp(x_k - max x), over the last axis.
     Subtracting the max changes nothing mathematically and keeps exp from overflowing."""
+    fast = fast_kernels(x)
+    if fast:                                                  # float32: the same, fused (kernels.py)
+        return fast.softmax_forward(x)
     xp = get_array_module(x)
     e = xp.exp(x - x.max(-1, keepdims=True))                  # (..., n)
     out = e / e.sum(-1, keepdims=True)                        # (..., n)
@@ -161,6 +185,9 @@ def softmax_forward(x):
 
 def softmax_backward(dout, cache):
     """The Jacobian of softmax is diag(s) - s s^T, so dx = s * (dout - sum_j dout_j s_j)."""
+    fast = fast_kernels(dout)
+    if fast:
+        return fast.softmax_backward(dout, cache)
     s = cache
     return s * (dout - (dout * s).sum(-1, keepdims=True))     # (..., n)
 
@@ -181,11 +208,13 @@ def split_heads(qkv, num_heads):
 
 
 def merge_heads(dq, dk, dv):
-    """The inverse of split_heads: three (B, nh, N, hs) -> (B, N, 3D)."""
+    """The inverse of split_heads: three (B, nh, N, hs) -> (B, N, 3D). Each is copied once, straight
+    into its place (stacking first and then transposing would copy everything twice)."""
     xp = get_array_module(dq)
     B, nh, N, hs = dq.shape
-    dqkv = xp.stack([dq, dk, dv])                             # (3, B, nh, N, hs)
-    dqkv = dqkv.transpose(1, 3, 0, 2, 4)                      # (B, N, 3, nh, hs)
+    dqkv = xp.empty((B, N, 3, nh, hs), dtype=dq.dtype)       # (B, N, 3, nh, hs)
+    for i, d in enumerate((dq, dk, dv)):
+        dqkv[:, :, i] = d.transpose(0, 2, 1, 3)               # (B, N, nh, hs) into the q, k or v third
     return dqkv.reshape(B, N, 3 * nh * hs)                    # (B, N, 3D)
 
 
@@ -211,8 +240,10 @@ def attention_backward(dout, cache):
     dattn = dctx @ v.swapaxes(-1, -2)                         # (B, nh, N, N)   ctx = attn v
     dv = attn.swapaxes(-1, -2) @ dctx                         # (B, nh, N, hs)
     dscores = softmax_backward(dattn, attn)                   # (B, nh, N, N)
-    dq = (dscores @ k) * scale                                # (B, nh, N, hs)  scores = q k^T scale
-    dk = (dscores.swapaxes(-1, -2) @ q) * scale               # (B, nh, N, hs)
+    dq = dscores @ k                                          # (B, nh, N, hs)  scores = q k^T scale
+    dq *= scale                                               #   (in place: no second array)
+    dk = dscores.swapaxes(-1, -2) @ q                         # (B, nh, N, hs)
+    dk *= scale
     return merge_heads(dq, dk, dv)                            # (B, N, 3D)
 
 
@@ -301,3 +332,21 @@ def cross_entropy(logits, labels, label_smoothing=0.0):
         raise ValueError(f"soft targets must have the logits' shape {logits.shape}, got {labels.shape}")
     loss, cache = cross_entropy_forward(logits, labels, label_smoothing)
     return float(loss), cross_entropy_backward(cache)
+
+
+# --------------------------------------------------------------------------------------------------
+# Tanh: the activation of the representation layer ("pre_logits") of some pre-trained checkpoints
+# --------------------------------------------------------------------------------------------------
+
+
+def tanh_forward(x):
+    """out = tanh(x), elementwise. x: any shape. Returns (out, cache); the cache is out itself."""
+    xp = get_array_module(x)
+    out = xp.tanh(x)                                          # same shape as x
+    return out, out
+
+
+def tanh_backward(dout, cache):
+    """d tanh(x) / dx = 1 - tanh(x)^2, read from the forward's output."""
+    out = cache
+    return dout * (1.0 - out * out)

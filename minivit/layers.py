@@ -373,3 +373,31 @@ class Pool(Layer):
         return repr(self.mode)
 
 
+class Tanh(Layer):
+    """out = tanh(x), elementwise; no parameters."""
+
+    def forward(self, x):
+        out, cache = F.tanh_forward(x)
+        self.cache = cache if self.training else None
+        return out
+
+    def backward(self, dout):
+        return F.tanh_backward(dout, self._need_cache())
+
+
+class PreLogits(Layer):
+    """The representation layer of the pre-training head ("MLP with one hidden layer", paper §3.1):
+    y -> tanh(y W + b), D -> R, between the pooled token and the head. timm's name: pre_logits.fc.
+    Fine-tuning drops it and puts a single zero-initialised linear head in its place."""
+
+    def __init__(self, dim, representation_size, rng=None, dtype="float32"):
+        super().__init__()
+        self.fc = self.add("fc", Linear(dim, representation_size, rng=rng, dtype=dtype))
+        self.act = self.add("act", Tanh())
+        self.gather()
+
+    def forward(self, x):                        # (B, D)
+        return self.act.forward(self.fc.forward(x))   # (B, R)
+
+    def backward(self, dout):                    # (B, R)
+        return self.fc.backward(self.act.backward(dout))  # (B, D)

@@ -6,19 +6,22 @@
       -> blocks        depth x pre-norm (MSA, MLP) blocks    (B, N+1, D)    Eqs. 2-3
       -> norm          final LayerNorm                       (B, N+1, D)    Eq. 4
       -> pool          class token (or mean of tokens)       (B, D)         Eq. 4
+     [-> pre_logits    tanh representation layer, D -> R     (B, R)         only some pre-trained models]
       -> head          linear classifier                     (B, K)
 
 Parameter names are timm's (``patch_embed.proj.weight``, ``cls_token``, ``blocks.0.attn.qkv.weight``...);
 the layouts are minivit's own (linear weights (in, out), the patch projection (P*P*C, D) in (P, P, C)
-order); minivit.convert translates to and from timm's.
+order); minivit.convert translates to and from timm's and the original JAX release's, and
+``ViT.from_pretrained`` loads a published checkpoint in one call.
 """
 
+import copy
 import dataclasses
 from dataclasses import dataclass
 
 from . import functional as F
 from .backend import asarray, backend_of, host_rng, is_array, to_numpy
-from .layers import Block, Dropout, Layer, LayerNorm, Linear, PatchEmbed, Pool, PosEmbed
+from .layers import Block, Dropout, Layer, LayerNorm, Linear, PatchEmbed, Pool, PosEmbed, PreLogits
 
 DTYPES = ("float32", "float64")
 
@@ -40,6 +43,8 @@ class ViTConfig:
     gelu: str = "erf"              # "erf": exact GELU (timm); "tanh": the approximation of the JAX models
     drop_rate: float = 0.0         # dropout after the position embedding, attention proj and MLP
     drop_path_rate: float = 0.0    # stochastic depth: rises linearly from 0 to this over the blocks
+    representation_size: int | None = None  # R: a tanh layer D -> R before the head, as some pre-trained
+                                            # checkpoints have ("pre_logits"); None: none (fine-tuning, timm)
 
     def __post_init__(self):
         img = self.img_size
@@ -71,6 +76,9 @@ class ViTConfig:
         for name in ("drop_rate", "drop_path_rate"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)!r}")
+        R = self.representation_size
+        if R is not None and (not isinstance(R, int) or isinstance(R, bool) or R < 1):
+            raise ValueError(f"representation_size must be None or a positive int, got {R!r}")
 
     @property
     def grid_size(self):
@@ -95,6 +103,7 @@ class ViTConfig:
     def num_params(self):
         """The parameter count, computed from the shapes alone (nothing is allocated)."""
         D, M, K = self.embed_dim, self.mlp_dim, self.num_classes
+        R = self.representation_size
         patch = self.patch_size ** 2 * self.in_chans * D + D          # E and its bias
         tokens = (D if self.pool == "cls" else 0) + self.seq_len * D  # x_class, E_pos
         block = (2 * D                                                # norm1
@@ -102,7 +111,9 @@ class ViTConfig:
                  + D * D + D                                          # proj
                  + 2 * D                                              # norm2
                  + D * M + M + M * D + D)                             # fc1, fc2
-        return patch + tokens + self.depth * block + 2 * D + D * K + K  # + final norm, head
+        pre_logits = 0 if R is None else D * R + R                    # the tanh layer, if any
+        head_in = D if R is None else R
+        return patch + tokens + self.depth * block + 2 * D + pre_logits + head_in * K + K  # + final norm, head
 
     def to_dict(self):
         d = dataclasses.asdict(self)
@@ -148,7 +159,12 @@ class ViT(Layer):
             self.blocks.append(self.add(f"blocks.{i}", block))
         self.norm = self.add("norm", LayerNorm(c.embed_dim, dtype=dtype))
         self.pool = self.add("pool", Pool(c.pool))
-        self.head = self.add("head", Linear(c.embed_dim, c.num_classes, rng=rng, dtype=dtype))
+        self.pre_logits = None
+        if c.representation_size is not None:
+            self.pre_logits = self.add("pre_logits", PreLogits(c.embed_dim, c.representation_size,
+                                                               rng=rng, dtype=dtype))
+        head_in = c.embed_dim if c.representation_size is None else c.representation_size
+        self.head = self.add("head", Linear(head_in, c.num_classes, rng=rng, dtype=dtype))
         self.gather()
 
     def stages(self):
@@ -157,7 +173,10 @@ class ViT(Layer):
         if self.config.drop_rate > 0:
             stages.append(("pos_drop", self.pos_drop))
         stages += [(f"blocks.{i}", b) for i, b in enumerate(self.blocks)]
-        return stages + [("norm", self.norm), ("pool", self.pool), ("head", self.head)]
+        stages += [("norm", self.norm), ("pool", self.pool)]
+        if self.pre_logits is not None:
+            stages.append(("pre_logits", self.pre_logits))
+        return stages + [("head", self.head)]
 
     def forward(self, x):
         """x: float images (B, H, W, C), channels last. Returns logits (B, K)."""
@@ -241,6 +260,55 @@ class ViT(Layer):
             p[...] = asarray(state[k], dtype=p.dtype, backend=backend_of(p))
         return self
 
+    # ---- pre-trained weights (minivit.convert reads the files) ------------------------------------
+
+    @classmethod
+    def from_pretrained(cls, path, num_classes=None, img_size=None, num_heads=None, gelu=None, seed=0,
+                        dtype="float32", checkpoint_img_size=None, verbose=True):
+        """A ViT with the weights of a published checkpoint, in one call: the original JAX release's
+        .npz, timm's .safetensors / .pth / .bin, or a minivit.checkpoint .npz (told by the content).
+
+        num_classes: None keeps the checkpoint's head; another number puts a zero-initialised D -> K
+            head in its place and drops any representation layer, as the paper fine-tunes (§3.1).
+        img_size: None keeps the checkpoint's resolution; another one (same patch size, so another
+            patch grid) resizes the position embeddings as resize_pos_embed does (§3.2).
+        num_heads: needed only for a timm file whose width is not a preset's (192, 384, 768, 1024, 1280).
+        gelu: "erf" or "tanh"; by default "tanh" for the JAX release (Flax's GELU), "erf" for timm.
+        checkpoint_img_size: the resolution the checkpoint was trained at, needed only for a
+            non-square patch grid (a square one is read from the position embeddings' length).
+        Example: ViT.from_pretrained("ViT-B_16.npz", num_classes=10, img_size=384) for CIFAR-10.
+        """
+        from .convert import load_checkpoint_file, resize_state_dict  # convert builds on this file
+        config, state = load_checkpoint_file(path, num_heads=num_heads, img_size=checkpoint_img_size,
+                                             gelu=gelu, num_classes=num_classes, verbose=verbose)
+        if img_size is not None:
+            config, state = resize_state_dict(config, state, img_size)
+        model = cls(config, seed=seed, dtype=dtype)
+        return model.load_state_dict(state)
+
+    def resize_pos_embed(self, img_size):
+        """A NEW model for images of img_size: the same weights, with the position embeddings of the
+        patch grid resized by bilinear interpolation (corners aligned, as the JAX release's
+        scipy.ndimage.zoom(order=1)) and the class token's embedding kept as it is (paper §3.2).
+
+        The patch size stays, so 224 -> 384 with P = 16 turns a 14x14 grid (196 patches) into 24x24
+        (576). This model is left unchanged (it still takes only its own size); the new one is on the
+        same backend, in the same train/eval mode, and needs its own optimizer.
+        """
+        from .convert import resize_state_dict  # convert builds on this file
+        config, resized = resize_state_dict(self.config, {"pos_embed": to_numpy(self.params["pos_embed"])},
+                                            img_size)
+        model = copy.deepcopy(self)              # every array copied: the two models share nothing
+        model.config = config
+        model.patch_embed.img_size = config.img_size     # its backward folds patches back to this size
+        pos = PosEmbed(config.num_patches, config.embed_dim, config.pool == "cls", dtype=self.dtype).to(self.backend)
+        pos.params["pos_embed"][...] = asarray(resized["pos_embed"], backend=self.backend)  # (1, N'+1, D)
+        if config.pool == "cls":
+            pos.params["cls_token"][...] = self.params["cls_token"]                       # (1, 1, D) as it was
+        model.pos_embed = model.add("", pos)
+        model.to(self.backend)                   # drops any copied caches, gathers the new arrays
+        return model.train(self.training)
+
     def extra_repr(self):
         c = self.config
         return (f"img_size={c.img_size}, patch_size={c.patch_size}, embed_dim={c.embed_dim}, depth={c.depth}, "
@@ -259,6 +327,7 @@ _NOTES = {
     "pos_embed": "z_0 = [x_class; x_p E] + E_pos (Eq. 1)",
     "norm": "LN(z_L) (Eq. 4)",
     "pool": "y = LN(z_L)^0, the class token (Eq. 4)",
+    "pre_logits": "tanh(y W_r + b_r), the representation layer of pre-training",
     "head": "logits = y W_head + b",
 }
 
