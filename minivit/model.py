@@ -362,8 +362,10 @@ def trace(model, x, verbose=True):
         for name, layer in model.stages():
             x = layer.forward(x)
             note = _NOTES.get(name, "")
-            if name.startswith("blocks."):
+            if name == "blocks.0":
                 note = "z'_l = MSA(LN(z_{l-1})) + z_{l-1};  z_l = MLP(LN(z'_l)) + z'_l (Eqs. 2-3)"
+            elif name.startswith("blocks."):
+                note = "the same block, its own weights"
             if name == "pool" and model.config.pool == "gap":
                 note = "y = mean over tokens of LN(z_L) (global average pooling)"
             rows.append((name, tuple(x.shape[1:]), note))
