@@ -1,0 +1,113 @@
+"""The lessons: every notebook runs top to bottom in quick mode, and the committed ones read well.
+
+Each notebook is executed with nbclient in a temporary copy of notebooks/ (so the committed outputs are
+never overwritten), with MINIVIT_QUICK=1. The kernel gets:
+- PYTHONPATH = this checkout, so it imports this minivit even where the venv's editable install is stale;
+- MINIVIT_BACKEND=numpy: the lessons compute with NumPy arrays (lesson 8 picks the GPU itself when full);
+- OPENBLAS_NUM_THREADS=1: on a machine whose cores are shared (our two-core CI box), multi-threaded
+  BLAS makes small matrix products up to a hundred times slower at random, and the quick runs are
+  mostly small products. One thread keeps them fast and their timings meaningful.
+"""
+
+import json
+import os
+import re
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = ROOT / "notebooks"
+LESSONS = sorted(p.name for p in NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
+CELL_TIMEOUT = 300          # seconds per cell; the slowest quick cell (lesson 10's five trainings) takes ~10 s
+NOTEBOOK_BUDGET = 240       # seconds per notebook in quick mode; each takes well under a minute on 2 cores
+
+
+def _read(name):
+    with open(NOTEBOOKS / name, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _source(cell):
+    return "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
+
+
+def test_the_ten_lessons_are_there_in_order():
+    assert [name[:3] for name in LESSONS[:10]] == [f"{i:02d}_" for i in range(1, 11)], LESSONS
+
+
+@pytest.mark.parametrize("name", LESSONS)
+def test_committed_notebook_is_small_clean_and_shaped_like_a_lesson(name):
+    nb = _read(name)
+    size = (NOTEBOOKS / name).stat().st_size
+    assert size < 500_000, f"{name} is {size / 1e3:.0f} KB; keep committed notebooks under 500 KB"
+    cells = nb["cells"]
+    assert cells[0]["cell_type"] == "markdown" and "What you will learn" in _source(cells[0]), \
+        f"{name} must start by saying what the student will learn"
+    assert "What to try next" in "".join(_source(c) for c in cells[-2:] if c["cell_type"] == "markdown"), \
+        f"{name} must end with what to try next"
+    code = [c for c in cells if c["cell_type"] == "code"]
+    assert any('os.environ.get("MINIVIT_QUICK") == "1"' in _source(c) for c in code[:2]), \
+        f"{name} must read MINIVIT_QUICK in its first cells"
+    counts = [c.get("execution_count") for c in code]
+    assert counts == list(range(1, len(code) + 1)), f"{name}: commit the outputs of one run, top to bottom ({counts})"
+    for c in code:
+        for out in c["outputs"]:
+            assert out["output_type"] != "error", f"{name}: a committed cell shows an error"
+    assert any("image/png" in o.get("data", {}) for c in code for o in c["outputs"]), f"{name} has no figure"
+
+
+def test_the_index_lists_every_lesson():
+    index = (NOTEBOOKS / "README.md").read_text(encoding="utf-8")
+    for name in LESSONS:
+        assert name in index, f"notebooks/README.md does not list {name}"
+
+
+def test_the_photograph_is_shipped_with_its_licence():
+    photo = NOTEBOOKS / "assets" / "astronaut.jpg"
+    assert photo.exists() and photo.stat().st_size < 40_000
+    from PIL import Image
+
+    with Image.open(photo) as im:
+        assert im.size == (224, 224) and im.mode == "RGB"
+    assert re.search(r"public domain", (NOTEBOOKS / "assets" / "README.md").read_text(), re.I)
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    """A temporary copy of notebooks/ (notebooks and assets only), shared by the executions."""
+    base = tmp_path_factory.mktemp("lessons")
+    dest = base / "notebooks"
+    dest.mkdir()
+    for name in LESSONS:
+        shutil.copy(NOTEBOOKS / name, dest / name)
+    shutil.copytree(NOTEBOOKS / "assets", dest / "assets")
+    return dest
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", LESSONS)
+def test_notebook_runs_top_to_bottom_in_quick_mode(name, workdir, monkeypatch):
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    monkeypatch.setenv("MINIVIT_QUICK", "1")
+    monkeypatch.setenv("MINIVIT_BACKEND", "numpy")
+    monkeypatch.setenv("OPENBLAS_NUM_THREADS", "1")
+    monkeypatch.setenv("PYTHONPATH", str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    committed = (NOTEBOOKS / name).read_bytes()
+    nb = nbformat.read(workdir / name, as_version=4)
+    for cell in nb.cells:                       # run from a clean slate, not on top of committed outputs
+        if cell.cell_type == "code":
+            cell.outputs, cell.execution_count = [], None
+    client = nbclient.NotebookClient(nb, timeout=CELL_TIMEOUT, kernel_name="python3",
+                                     resources={"metadata": {"path": str(workdir)}})
+    start = time.perf_counter()
+    client.execute()                            # raises CellExecutionError, with the traceback, on any error
+    seconds = time.perf_counter() - start
+    print(f"{name}: {seconds:.1f} s")
+    assert seconds < NOTEBOOK_BUDGET, f"{name} took {seconds:.0f} s in quick mode (budget {NOTEBOOK_BUDGET} s)"
+    figures = sum("image/png" in o.get("data", {}) for c in nb.cells if c.cell_type == "code" for o in c.outputs)
+    assert figures >= 1, f"{name} drew no figure"
+    assert (NOTEBOOKS / name).read_bytes() == committed, "running a lesson must not touch the committed notebook"
