@@ -91,6 +91,9 @@ def to_timm(state_dict, patch_size, in_chans):
 def timm_kwargs(config):
     """The keyword arguments of timm.models.vision_transformer.VisionTransformer that build the same
     model as a minivit ViTConfig (the paper's GAP: final LayerNorm, then the mean, no fc_norm)."""
+    if getattr(config, "pos_embed", "learned") != "learned" or getattr(config, "stem", "patch") != "patch":
+        raise ValueError(f"timm's VisionTransformer has only learned 1-D position embeddings and the patch stem; "
+                         f"got pos_embed={config.pos_embed!r}, stem={config.stem!r}")
     if config.representation_size is not None:
         raise ValueError(f"timm's VisionTransformer has no representation layer (removed in timm 0.9), so "
                          f"representation_size={config.representation_size} has no timm equivalent")

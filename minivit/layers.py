@@ -318,6 +318,104 @@ class PosEmbed(Layer):
         return dout[:, 1:]                                       # (B, N, D): the patch tokens' part
 
 
+POS_EMBED_KINDS = ("learned", "learned2d", "sincos2d", "none")  # PosEmbed: "learned"; GridPosEmbed: the rest
+
+
+def sincos2d_table(grid_size, embed_dim, temperature=10000.0, dtype="float32"):
+    """The fixed 2-D sin-cos position embeddings of MAE (and big_vision), (1, gh*gw, D). The patch in row r,
+    column c gets, with D/4 frequencies w_k = 1 / temperature^(k / (D/4)), k = 0 ... D/4 - 1:
+        [sin(c w), cos(c w), sin(r w), cos(r w)]      (the column's half first, as in MAE's code)
+    Patches in row-major order, as im2patch. (big_vision divides k by D/4 - 1 instead: a detail.)"""
+    xp = backend_module()
+    gh, gw = grid_size
+    D4 = embed_dim // 4
+    omega = 1.0 / temperature ** (xp.arange(D4, dtype="float64") / D4)            # (D/4,)
+    rows, cols = xp.meshgrid(xp.arange(gh, dtype="float64"), xp.arange(gw, dtype="float64"),
+                             indexing="ij")                                      # (gh, gw) each
+    c = cols.reshape(-1, 1) * omega                                              # (N, D/4)
+    r = rows.reshape(-1, 1) * omega                                              # (N, D/4)
+    table = xp.concatenate([xp.sin(c), xp.cos(c), xp.sin(r), xp.cos(r)], axis=1)  # (N, D)
+    return table[None].astype(dtype)                                             # (1, N, D)
+
+
+class GridPosEmbed(Layer):
+    """The other position embeddings of the paper's Appendix D.4 (Table 8), beside PosEmbed's learned 1-D one:
+      "learned2d": two learned tables, pos_embed_row (1, gh, D/2) and pos_embed_col (1, gw, D/2); the patch
+                   in row r, column c gets their concatenation [row_r | col_c] (D/2 + D/2 = D values).
+      "sincos2d":  fixed 2-D sin-cos (sincos2d_table): no parameters, nothing to learn.
+      "none":      no position information: the model sees a bag of patches.
+    The class token, if any, is prepended after the embeddings are added and gets none of its own: it is
+    itself a learned vector, so x_class + e_class would just be another learned x_class (MAE gives it a
+    row of zeros too). (B, N, D) -> (B, N+1, D) with class_token=True, else (B, N, D)."""
+
+    def __init__(self, grid_size, embed_dim, kind, class_token=True, rng=None, dtype="float32"):
+        super().__init__()
+        if kind not in POS_EMBED_KINDS[1:]:
+            raise ValueError(f"GridPosEmbed kind must be one of {POS_EMBED_KINDS[1:]}, got {kind!r} "
+                             f"(the learned 1-D table is PosEmbed)")
+        if kind == "learned2d" and embed_dim % 2:
+            raise ValueError(f"learned2d position embeddings need an even embed_dim (D/2 per axis), got {embed_dim}")
+        if kind == "sincos2d" and embed_dim % 4:
+            raise ValueError(f"sincos2d position embeddings need embed_dim divisible by 4 (sin, cos per axis), "
+                             f"got {embed_dim}")
+        rng = host_rng(0) if rng is None else rng
+        gh, gw = grid_size
+        self.grid_size, self.embed_dim, self.kind, self.class_token = (gh, gw), embed_dim, kind, class_token
+        if class_token:
+            self.params["cls_token"] = trunc_normal(rng, (1, 1, embed_dim), 1e-6, dtype)     # (1, 1, D), as PosEmbed
+            self.grads["cls_token"] = zeros((1, 1, embed_dim), dtype)
+        if kind == "learned2d":
+            half = embed_dim // 2
+            self.params["pos_embed_row"] = trunc_normal(rng, (1, gh, half), 0.02, dtype)     # (1, gh, D/2)
+            self.params["pos_embed_col"] = trunc_normal(rng, (1, gw, half), 0.02, dtype)     # (1, gw, D/2)
+            self.grads["pos_embed_row"] = zeros((1, gh, half), dtype)
+            self.grads["pos_embed_col"] = zeros((1, gw, half), dtype)
+        self.table = sincos2d_table((gh, gw), embed_dim, dtype=dtype) if kind == "sincos2d" else None  # (1, N, D)
+
+    def pos_table(self):
+        """The (1, N, D) embeddings added to the patch tokens; None for "none"."""
+        if self.kind != "learned2d":
+            return self.table
+        xp = get_array_module(self.params["pos_embed_row"])
+        (gh, gw), half = self.grid_size, self.embed_dim // 2
+        row = xp.broadcast_to(self.params["pos_embed_row"].reshape(gh, 1, half), (gh, gw, half))  # (gh, gw, D/2)
+        col = xp.broadcast_to(self.params["pos_embed_col"].reshape(1, gw, half), (gh, gw, half))  # (gh, gw, D/2)
+        return xp.concatenate([row, col], axis=-1).reshape(1, gh * gw, self.embed_dim)             # (1, N, D)
+
+    def forward(self, x):                                        # (B, N, D)
+        xp = get_array_module(x)
+        pos = self.pos_table()                                   # (1, N, D) or None
+        if pos is not None:
+            x = x + pos                                          # (B, N, D)
+        if self.class_token:
+            B, _, D = x.shape
+            cls = xp.broadcast_to(self.params["cls_token"], (B, 1, D))  # (B, 1, D)
+            x = xp.concatenate([cls, x], axis=1)                 # (B, N+1, D)
+        self.cache = True if self.training else None            # nothing to remember but "forward ran"
+        return x
+
+    def backward(self, dout):                                    # (B, N+1, D) or (B, N, D)
+        self._need_cache()
+        if self.class_token:
+            self.grads["cls_token"] += dout[:, :1].sum(0, keepdims=True)  # (1, 1, D)
+            dout = dout[:, 1:]                                   # (B, N, D): the patch tokens' part
+        if self.kind == "learned2d":
+            (gh, gw), half = self.grid_size, self.embed_dim // 2
+            dpos = dout.sum(0).reshape(gh, gw, self.embed_dim)   # (gh, gw, D): added to every sample
+            self.grads["pos_embed_row"] += dpos[:, :, :half].sum(1)[None]  # (1, gh, D/2): row r sits in gw patches
+            self.grads["pos_embed_col"] += dpos[:, :, half:].sum(0)[None]  # (1, gw, D/2): column c in gh patches
+        return dout                                              # (B, N, D)
+
+    def to(self, backend):
+        super().to(backend)
+        if self.table is not None:                               # the fixed table is no parameter: move it too
+            self.table = asarray(self.table, backend=backend)
+        return self
+
+    def extra_repr(self):
+        return f"{self.kind!r}, grid={self.grid_size}, class_token={self.class_token}"
+
+
 class Block(Layer):
     """The pre-norm transformer block, paper Eqs. 2-3:
         x1  = x  + attn(norm1(x))        z'_l = MSA(LN(z_{l-1})) + z_{l-1}

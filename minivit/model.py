@@ -9,6 +9,10 @@
      [-> pre_logits    tanh representation layer, D -> R     (B, R)         only some pre-trained models]
       -> head          linear classifier                     (B, K)
 
+The paper's variants are options of the same stages: ``stem="conv"`` makes patch_embed the hybrid's small
+CNN (minivit/conv.py, §3.1), and ``pos_embed="learned2d" | "sincos2d" | "none"`` makes pos_embed a
+GridPosEmbed (layers.py, App. D.4). experiments/ and notebook 11 compare them.
+
 Parameter names are timm's (``patch_embed.proj.weight``, ``cls_token``, ``blocks.0.attn.qkv.weight``...);
 the layouts are minivit's own (linear weights (in, out), the patch projection (P*P*C, D) in (P, P, C)
 order); minivit.convert translates to and from timm's and the original JAX release's, and
@@ -21,7 +25,9 @@ from dataclasses import dataclass
 
 from . import functional as F
 from .backend import asarray, backend_of, host_rng, is_array, to_numpy
-from .layers import Block, Dropout, Layer, LayerNorm, Linear, PatchEmbed, Pool, PosEmbed, PreLogits
+from .conv import ConvStem
+from .layers import (POS_EMBED_KINDS, Block, Dropout, GridPosEmbed, Layer, LayerNorm, Linear, PatchEmbed, Pool,
+                     PosEmbed, PreLogits)
 
 DTYPES = ("float32", "float64")
 
@@ -45,6 +51,12 @@ class ViTConfig:
     drop_path_rate: float = 0.0    # stochastic depth: rises linearly from 0 to this over the blocks
     representation_size: int | None = None  # R: a tanh layer D -> R before the head, as some pre-trained
                                             # checkpoints have ("pre_logits"); None: none (fine-tuning, timm)
+    # the paper's variants (experiments/, notebook 11): position embeddings (App. D.4) and the hybrid (§3.1)
+    pos_embed: str = "learned"     # "learned": 1-D table E_pos (Eq. 1); "learned2d": row + column tables of
+                                   # D/2 each; "sincos2d": fixed 2-D sin-cos; "none": no position information
+    stem: str = "patch"            # "patch": P x P patches, linearly projected; "conv": the hybrid, a small
+                                   # CNN of total stride P whose feature map is cut into 1x1 patches
+    stem_width: int = 32           # conv stem only: channels of its first conv, doubled by each stride-2 conv
 
     def __post_init__(self):
         img = self.img_size
@@ -79,6 +91,21 @@ class ViTConfig:
         R = self.representation_size
         if R is not None and (not isinstance(R, int) or isinstance(R, bool) or R < 1):
             raise ValueError(f"representation_size must be None or a positive int, got {R!r}")
+        if self.pos_embed not in POS_EMBED_KINDS:
+            raise ValueError(f"pos_embed must be one of {POS_EMBED_KINDS}, got {self.pos_embed!r}")
+        if self.pos_embed == "learned2d" and self.embed_dim % 2:
+            raise ValueError(f"pos_embed='learned2d' needs an even embed_dim (D/2 for rows, D/2 for columns), "
+                             f"got embed_dim={self.embed_dim}")
+        if self.pos_embed == "sincos2d" and self.embed_dim % 4:
+            raise ValueError(f"pos_embed='sincos2d' needs embed_dim divisible by 4 (sin and cos of rows and "
+                             f"columns), got embed_dim={self.embed_dim}")
+        if self.stem not in ("patch", "conv"):
+            raise ValueError(f"stem must be 'patch' or 'conv', got {self.stem!r}")
+        if not isinstance(self.stem_width, int) or isinstance(self.stem_width, bool) or self.stem_width < 1:
+            raise ValueError(f"stem_width must be a positive int, got {self.stem_width!r}")
+        if self.stem == "conv" and P & (P - 1):
+            raise ValueError(f"stem='conv' needs a power-of-two patch_size (the stem halves H and W log2(P) "
+                             f"times to reach the patch grid), got patch_size={P}")
 
     @property
     def grid_size(self):
@@ -100,12 +127,22 @@ class ViTConfig:
     def mlp_dim(self):
         return int(self.embed_dim * self.mlp_ratio)
 
+    @property
+    def stem_channels(self):
+        """The conv stem's channels: stem_width, then doubled by each of its log2(P) stride-2 convs."""
+        return tuple(self.stem_width * 2 ** i for i in range(self.patch_size.bit_length()))
+
     def num_params(self):
         """The parameter count, computed from the shapes alone (nothing is allocated)."""
         D, M, K = self.embed_dim, self.mlp_dim, self.num_classes
         R = self.representation_size
         patch = self.patch_size ** 2 * self.in_chans * D + D          # E and its bias
-        tokens = (D if self.pool == "cls" else 0) + self.seq_len * D  # x_class, E_pos
+        if self.stem == "conv":                                       # 3x3 convs (no bias) + GroupNorms, then E
+            chans = (self.in_chans,) + self.stem_channels
+            patch = sum(9 * a * b + 2 * b for a, b in zip(chans[:-1], chans[1:])) + chans[-1] * D + D
+        gh, gw = self.grid_size
+        pos = {"learned": self.seq_len * D, "learned2d": (gh + gw) * (D // 2)}.get(self.pos_embed, 0)
+        tokens = (D if self.pool == "cls" else 0) + pos               # x_class, E_pos
         block = (2 * D                                                # norm1
                  + D * 3 * D + (3 * D if self.qkv_bias else 0)        # qkv
                  + D * D + D                                          # proj
@@ -145,11 +182,19 @@ class ViT(Layer):
         self.config, self.dtype, self.seed = config, dtype, seed
         c = config
         rng = host_rng(seed)
-        self.patch_embed = self.add("patch_embed", PatchEmbed(c.img_size, c.patch_size, c.in_chans, c.embed_dim,
-                                                              rng=rng, dtype=dtype))
+        if c.stem == "conv":   # the hybrid (§3.1): a CNN's feature map, cut into 1x1 patches
+            self.patch_embed = self.add("patch_embed", ConvStem(c.in_chans, c.stem_channels, c.embed_dim,
+                                                                rng=rng, dtype=dtype))
+        else:
+            self.patch_embed = self.add("patch_embed", PatchEmbed(c.img_size, c.patch_size, c.in_chans,
+                                                                  c.embed_dim, rng=rng, dtype=dtype))
         # cls_token and pos_embed are top-level names in timm: registered with an empty prefix
-        self.pos_embed = self.add("", PosEmbed(c.num_patches, c.embed_dim, class_token=c.pool == "cls",
-                                               rng=rng, dtype=dtype))
+        if c.pos_embed == "learned":
+            self.pos_embed = self.add("", PosEmbed(c.num_patches, c.embed_dim, class_token=c.pool == "cls",
+                                                   rng=rng, dtype=dtype))
+        else:                  # learned2d, sincos2d or none (App. D.4)
+            self.pos_embed = self.add("", GridPosEmbed(c.grid_size, c.embed_dim, c.pos_embed,
+                                                       class_token=c.pool == "cls", rng=rng, dtype=dtype))
         self.pos_drop = self.add("pos_drop", Dropout(c.drop_rate, seed=seed * 1000 + 999))
         self.blocks = []
         for i in range(c.depth):
@@ -200,7 +245,7 @@ class ViT(Layer):
     @property
     def backend(self):
         """'numpy' or 'cupy': where the parameters live."""
-        return backend_of(self.params["pos_embed"])
+        return backend_of(self.params["head.weight"])   # every model has a head (not every one a pos_embed)
 
     def num_params(self):
         return sum(int(p.size) for p in self.params.values())
@@ -296,6 +341,9 @@ class ViT(Layer):
         same backend, in the same train/eval mode, and needs its own optimizer.
         """
         from .convert import resize_state_dict  # convert builds on this file
+        if self.config.pos_embed != "learned":
+            raise ValueError(f"resize_pos_embed resizes the learned 1-D table (pos_embed='learned'); this model "
+                             f"has pos_embed={self.config.pos_embed!r}")
         config, resized = resize_state_dict(self.config, {"pos_embed": to_numpy(self.params["pos_embed"])},
                                             img_size)
         model = copy.deepcopy(self)              # every array copied: the two models share nothing
@@ -324,6 +372,11 @@ _NOTES = {
     "input": "x in R^{H x W x C}",
     "patches": "x_p: N = HW/P^2 patches of P*P*C values (Eq. 1)",
     "patch_embed": "x_p E, E in R^{(P^2 C) x D} (Eq. 1)",
+    "feature map": "the CNN's feature map: its H/P x W/P positions are 1x1 patches (hybrid, §3.1)",
+    "patch_embed conv": "each 1x1 patch projected to D: x_p E (hybrid, §3.1)",
+    "pos_embed learned2d": "z_0 = [x_class; x_p E + [E_row | E_col]] (App. D.4)",
+    "pos_embed sincos2d": "z_0 = [x_class; x_p E + fixed 2-D sin-cos]",
+    "pos_embed none": "z_0 = [x_class; x_p E]: no position information",
     "pos_embed": "z_0 = [x_class; x_p E] + E_pos (Eq. 1)",
     "norm": "LN(z_L) (Eq. 4)",
     "pool": "y = LN(z_L)^0, the class token (Eq. 4)",
@@ -359,9 +412,15 @@ def trace(model, x, verbose=True):
     try:
         rows = Trace([("input", tuple(x.shape[1:]), _NOTES["input"]),
                       ("patches", tuple(F.im2patch(x, model.config.patch_size).shape[1:]), _NOTES["patches"])])
+        if model.config.stem == "conv":
+            rows[1] = ("feature map", tuple(model.patch_embed.features(x).shape[1:]), _NOTES["feature map"])
         for name, layer in model.stages():
             x = layer.forward(x)
             note = _NOTES.get(name, "")
+            if name == "patch_embed" and model.config.stem == "conv":
+                note = _NOTES["patch_embed conv"]
+            if name == "pos_embed" and model.config.pos_embed != "learned":
+                note = _NOTES["pos_embed " + model.config.pos_embed]
             if name == "blocks.0":
                 note = "z'_l = MSA(LN(z_{l-1})) + z_{l-1};  z_l = MLP(LN(z'_l)) + z'_l (Eqs. 2-3)"
             elif name.startswith("blocks."):

@@ -51,9 +51,10 @@ def _check_no_decay(no_decay, params):
 
 def default_no_decay(params):
     """The names the trainer exempts from weight decay: every 1-D array (biases, LayerNorm weights)
-    plus the cls_token and pos_embed. params: dict name -> array. Returns a set of names."""
+    plus the class token and every position embedding (pos_embed, pos_embed_row, pos_embed_col).
+    params: dict name -> array. Returns a set of names."""
     return {name for name, p in params.items()
-            if p.ndim <= 1 or name.endswith("cls_token") or name.endswith("pos_embed")}
+            if p.ndim <= 1 or name.endswith("cls_token") or "pos_embed" in name.rsplit(".", 1)[-1]}
 
 
 def _params_and_grads(model):

@@ -159,9 +159,10 @@ def test_default_no_decay():
         "patch_embed.proj.weight": np.zeros((8, 3, 2, 2)), "patch_embed.proj.bias": np.zeros(8),
         "blocks.0.norm1.weight": np.zeros(8), "blocks.0.attn.qkv.weight": np.zeros((24, 8)),
         "head.weight": np.zeros((10, 8)), "head.bias": np.zeros(10),
+        "pos_embed_row": np.zeros((1, 4, 4)), "pos_embed_col": np.zeros((1, 4, 4)),   # pos_embed="learned2d"
     }
     assert default_no_decay(params) == {"cls_token", "pos_embed", "patch_embed.proj.bias",
-                                        "blocks.0.norm1.weight", "head.bias"}
+                                        "blocks.0.norm1.weight", "head.bias", "pos_embed_row", "pos_embed_col"}
 
 
 # ----------------------------------------------------------------------------------- state_dict

@@ -1,0 +1,343 @@
+"""What the experiments share: data, the two kinds of model, one training loop, FLOP counts, results files.
+
+Every experiment has two modes:
+    --quick   tiny: Fashion-MNIST (or `shapes`) on the CPU, about a minute or two; what the committed
+              results/*_quick.json hold, and what tests/test_variants.py runs (smaller still)
+    (full)    CIFAR-10 on a GPU (--backend cupy), the models of minivit's CIFAR presets
+
+Each writes experiments/results/<name>[_quick].json (settings, one record per run, where and how long it
+ran, the paper's claim) and a .png of the same numbers. notebooks/11_variants_and_ablations.ipynb
+plots them next to the paper.
+
+The loop (fit) is minivit.train's step written out once more, so that a ViT and the ResNet go through
+exactly the same code: same batches, same AdamW, same warm-up + cosine schedule, same evaluation.
+"""
+
+import argparse
+import dataclasses
+import datetime
+import json
+import math
+import os
+import platform
+import sys
+import time
+from functools import lru_cache
+
+import numpy as np
+
+import minivit
+from minivit import augment as A
+from minivit import backend
+from minivit.conv import ResNet, ResNetConfig
+from minivit.data import SHAPES_CLASSES, Dataset, channel_mean_std, load_dataset, make_shapes
+from minivit.functional import cross_entropy
+from minivit.model import ViT, ViTConfig
+from minivit.optim import AdamW, WarmupCosine, clip_grad_norm
+
+RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+# the ViT of quick mode: 4 blocks of width 64 (the `demo` recipe's model); on 28x28 Fashion-MNIST with
+# patch 4 it has 7x7 = 49 patches and costs ~16 MFLOPs per image forward, like ResNet-8 below
+QUICK_VIT = dict(patch_size=4, embed_dim=64, depth=4, num_heads=4, mlp_ratio=2.0)
+QUICK_RESNET = dict(widths=(16, 32, 64), depths=(1, 1, 1))        # ~19 MFLOPs at 28x28x1
+# full mode (CIFAR-10): vit_cifar_tiny (~250 MFLOPs at 32x32) and a ResNet-14 of width 32 (~210 MFLOPs)
+FULL_VIT = dict(patch_size=4, embed_dim=192, depth=6, num_heads=3, mlp_ratio=2.0)
+FULL_RESNET = dict(widths=(32, 64, 128), depths=(2, 2, 2))
+
+
+# --------------------------------------------------------------------------------------------------
+# Data
+# --------------------------------------------------------------------------------------------------
+
+
+@lru_cache(maxsize=4)
+def _load(name, data_dir, img_size):
+    """A data set read once per process (the tests and the notebook run several experiments in one)."""
+    return load_dataset(name, data_dir, img_size)
+
+
+def load_data(name, n_train=None, n_test=None, img_size=None, data_dir=None, seed=0):
+    """A Dataset with a fixed, seeded random subset of n_train training and n_test test images.
+    Nested: with the same seed, the first 1000 of a 5000-image subset are the 1000-image subset.
+    `shapes` is generated with exactly n_train / n_test images (at img_size, default 32)."""
+    if name == "shapes":
+        (x_train, y_train), (x_test, y_test) = make_shapes(n_train or 10000, n_test or 2000, seed=seed,
+                                                           img_size=img_size or 32)
+        mean, std = channel_mean_std(x_train)
+        return Dataset("shapes", x_train, y_train, x_test, y_test, list(SHAPES_CLASSES), mean, std)
+    data = _load(name, data_dir, img_size)
+    train_order = np.random.default_rng([seed, 1]).permutation(len(data.y_train))
+    test_order = np.random.default_rng([seed, 2]).permutation(len(data.y_test))
+    tr, te = train_order[:n_train], test_order[:n_test]
+    return dataclasses.replace(data, x_train=data.x_train[tr], y_train=data.y_train[tr],
+                               x_test=data.x_test[te], y_test=data.y_test[te])
+
+
+def pad_to(data, size):
+    """Zero-pad every image to size x size, centred (28x28 Fashion-MNIST -> 32x32, as LeNet-5 padded MNIST),
+    with mean and std recomputed from the padded training images."""
+    H, W, _ = data.image_shape
+    top, left = (size - H) // 2, (size - W) // 2
+    pad = ((0, 0), (top, size - H - top), (left, size - W - left), (0, 0))
+    x_train, x_test = np.pad(data.x_train, pad), np.pad(data.x_test, pad)     # (N, size, size, C)
+    mean, std = channel_mean_std(x_train)
+    return dataclasses.replace(data, x_train=x_train, x_test=x_test, mean=mean, std=std)
+
+
+def take_train(data, n):
+    """The first n training images of data (its subsets are already in random order)."""
+    if n > len(data.y_train):
+        raise ValueError(f"asked for {n} training images but the data set holds {len(data.y_train)}")
+    return dataclasses.replace(data, x_train=data.x_train[:n], y_train=data.y_train[:n])
+
+
+# --------------------------------------------------------------------------------------------------
+# Models
+# --------------------------------------------------------------------------------------------------
+
+
+def vit_for(data, base, seed=0, **overrides):
+    """A ViT for this data set's images and classes: base (QUICK_VIT or FULL_VIT) with overrides."""
+    H, W, C = data.image_shape
+    cfg = ViTConfig(img_size=(H, W), in_chans=C, num_classes=data.num_classes, **{**base, **overrides})
+    return ViT(cfg, seed=seed)
+
+
+def resnet_for(data, base, seed=0, **overrides):
+    H, W, C = data.image_shape
+    cfg = ResNetConfig(img_size=(H, W), in_chans=C, num_classes=data.num_classes, **{**base, **overrides})
+    return ResNet(cfg, seed=seed)
+
+
+def forward_flops(model):
+    """FLOPs of one image's forward pass through the matrix multiplies and convolutions (a multiply-add
+    counts 2; norms, activations and softmax are left out, as usual). A training step costs about 3x."""
+    c = model.config
+    if isinstance(c, ResNetConfig):
+        H, W = c.img_size
+        flops = 2 * H * W * 9 * c.in_chans * c.widths[0]                       # stem
+        for c_in, c_out, stride in c.blocks():
+            H, W = (H - 1) // stride + 1, (W - 1) // stride + 1                 # 3x3 conv, padding 1
+            flops += 2 * H * W * 9 * (c_in * c_out + c_out * c_out)            # conv1, conv2
+            if stride != 1 or c_in != c_out:
+                flops += 2 * H * W * c_in * c_out                               # 1x1 shortcut
+        return flops + 2 * c.widths[-1] * c.num_classes
+    N, T, D, M = c.num_patches, c.seq_len, c.embed_dim, c.mlp_dim
+    if c.stem == "conv":
+        H, W = c.img_size
+        chans = (c.in_chans,) + c.stem_channels
+        embed = 0
+        for i in range(len(chans) - 1):
+            if i > 0:
+                H, W = (H - 1) // 2 + 1, (W - 1) // 2 + 1
+            embed += 2 * H * W * 9 * chans[i] * chans[i + 1]
+        embed += 2 * N * chans[-1] * D                                          # 1x1 patches -> D
+    else:
+        embed = 2 * N * c.patch_size ** 2 * c.in_chans * D                      # x_p E
+    block = 2 * T * (3 * D * D + D * D + 2 * D * M) + 2 * 2 * T * T * D        # qkv, proj, MLP; q k^T, a v
+    return embed + c.depth * block + 2 * D * c.num_classes
+
+
+def describe(model):
+    """A short dict that names a model in the results."""
+    c = model.config
+    if isinstance(c, ResNetConfig):
+        return {"arch": "resnet", "widths": list(c.widths), "depths": list(c.depths),
+                "params": model.num_params(), "mflops": round(forward_flops(model) / 1e6, 2)}
+    return {"arch": "vit" if c.stem == "patch" else "hybrid", "patch_size": c.patch_size, "embed_dim": c.embed_dim,
+            "depth": c.depth, "num_heads": c.num_heads, "pool": c.pool, "pos_embed": c.pos_embed, "stem": c.stem,
+            "tokens": c.seq_len, "params": model.num_params(), "mflops": round(forward_flops(model) / 1e6, 2)}
+
+
+# --------------------------------------------------------------------------------------------------
+# Training
+# --------------------------------------------------------------------------------------------------
+
+
+def no_decay_names(model):
+    """No weight decay for 1-D arrays (biases, norm weights), the class token and position embeddings."""
+    return {k for k, p in model.params.items() if p.ndim <= 1 or "cls_token" in k or "pos_embed" in k}
+
+
+def evaluate(model, x, y, mean, std, batch_size=500):
+    """Test accuracy in eval mode. x: uint8 (N, H, W, C) on the model's backend; y: (N,)."""
+    model.eval()
+    correct = 0
+    for start in range(0, x.shape[0], batch_size):
+        logits = model.forward(A.normalize(x[start:start + batch_size], mean, std, model.dtype))  # (b, K)
+        correct += int((logits.argmax(-1) == y[start:start + batch_size]).sum())
+    model.train()
+    return correct / x.shape[0]
+
+
+def fit(model, data, steps, batch_size, lr, weight_decay=0.05, warmup=0.1, augment="none", seed=0,
+        num_evals=4, clip=1.0, label_smoothing=0.0):
+    """Train model on data.x_train for `steps` AdamW steps of batch_size images (warm-up for the first
+    `warmup` fraction, then cosine to 0), evaluating on data.x_test num_evals times, evenly spaced.
+    Returns a dict: final and best test accuracy, the last training losses, time and images seen."""
+    n = len(data.y_train)
+    if batch_size > n:
+        batch_size = n                            # a tiny subset: one batch is the whole set
+    dev = model.backend
+    x_train, y_train = backend.asarray(data.x_train, backend=dev), backend.asarray(data.y_train, backend=dev)
+    x_test, y_test = backend.asarray(data.x_test, backend=dev), backend.asarray(data.y_test, backend=dev)
+    opt = AdamW(model, lr, weight_decay=weight_decay, no_decay=no_decay_names(model))
+    schedule = WarmupCosine(lr, steps, warmup_steps=round(warmup * steps))
+    rng = np.random.default_rng([seed, 7])       # batch order and augmentation
+    eval_at = sorted({max(1, round(steps * (i + 1) / num_evals)) for i in range(num_evals)})
+    order, pos, losses, curve, eval_seconds = None, n, [], [], 0.0
+    model.train()
+    start = time.perf_counter()
+    for step in range(1, steps + 1):
+        if pos + batch_size > n:                  # a new epoch: a new random order
+            order, pos = rng.permutation(n), 0
+        idx = backend.asarray(order[pos:pos + batch_size], backend=dev)              # (B,)
+        pos += batch_size
+        x = A.augment_batch(x_train[idx], rng, augment, data.mean, data.std, model.dtype)  # (B, H, W, C)
+        logits = model.forward(x)                                                      # (B, K)
+        loss, dlogits = cross_entropy(logits, y_train[idx], label_smoothing)
+        if not math.isfinite(loss):
+            curve.append({"step": step, "test_acc": None, "diverged": True})
+            break
+        model.zero_grad()
+        model.backward(dlogits)
+        if clip:
+            clip_grad_norm(model, clip)
+        opt.lr = schedule(step - 1)
+        opt.step()
+        losses.append(loss)
+        if step in eval_at:
+            t_eval = time.perf_counter()
+            curve.append({"step": step, "epoch": round(step * batch_size / n, 3),
+                          "train_loss": float(np.mean(losses[-max(1, steps // 10):])),
+                          "test_acc": evaluate(model, x_test, y_test, data.mean, data.std)})
+            eval_seconds += time.perf_counter() - t_eval
+    seconds = time.perf_counter() - start
+    accs = [r["test_acc"] for r in curve if r.get("test_acc") is not None]
+    return {"final_test_acc": accs[-1] if accs and not curve[-1].get("diverged") else None,
+            "best_test_acc": max(accs) if accs else None,
+            "final_train_loss": curve[-1].get("train_loss") if curve else None,
+            "diverged": bool(curve and curve[-1].get("diverged")),
+            "steps": len(losses), "batch_size": batch_size, "lr": lr, "n_train": n, "n_test": len(data.y_test),
+            "epochs": round(len(losses) * batch_size / n, 2), "seconds": round(seconds, 2),
+            "eval_seconds": round(eval_seconds, 2),
+            "seconds_per_step": round((seconds - eval_seconds) / max(len(losses), 1), 4),  # training only
+            "curve": curve}
+
+
+# --------------------------------------------------------------------------------------------------
+# Command line, results and provenance
+# --------------------------------------------------------------------------------------------------
+
+
+def parser(description):
+    """The flags every experiment takes; None means "the mode's default"."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--quick", action="store_true", help="tiny CPU version (Fashion-MNIST/shapes, a minute or two)")
+    p.add_argument("--dataset", choices=("cifar10", "fashion-mnist", "shapes"), help="default: the mode's")
+    p.add_argument("--data-dir", help="where CIFAR-10 lives (default data/)")
+    p.add_argument("--backend", choices=backend.BACKENDS, help="default: cupy in full mode, numpy in quick")
+    p.add_argument("--steps", type=int, help="optimizer steps per run")
+    p.add_argument("--batch-size", type=int)
+    p.add_argument("--n-train", type=int, help="training images (the largest subset)")
+    p.add_argument("--n-test", type=int, help="test images evaluated")
+    p.add_argument("--seeds", type=int, help="runs per setting, seeds 0, 1, ...")
+    p.add_argument("--augment", choices=A.POLICIES)
+    p.add_argument("--out", default=RESULTS_DIR, help="folder for the JSON and the PNG")
+    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--replot", action="store_true", help="redraw the PNG from the saved JSON, no training")
+    return p
+
+
+def run_or_replot(name, args, s, run, plot, argv=None):
+    """Run the experiment (with --replot: read its saved results instead), write the JSON and the plot."""
+    if args.replot:
+        with open(results_path(args.out, name, s["mode"], "json")) as f:
+            results = json.load(f)
+    else:
+        results = run(s, argv)
+    for path in save(results, name, args.out, None if args.no_plot else plot):
+        print("wrote", path)
+    return results
+
+
+def settings(args, quick, full):
+    """The mode's defaults (quick or full dict), overridden by any flag given."""
+    s = dict(quick if args.quick else full)
+    for key, value in vars(args).items():
+        if key in s and value is not None:
+            s[key] = value
+    s["mode"] = "quick" if args.quick else "full"
+    if args.backend:
+        s["backend"] = args.backend
+    return s
+
+
+def provenance(name, mode, data, seconds, argv=None):
+    """Where, how long and on what a run ran: written into every results file."""
+    cpu = os.cpu_count()
+    where = backend.get_backend()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    label = (f"QUICK CPU RUN ({data.name}, at most {len(data.y_train)} training images, {cpu} CPU cores, "
+             f"{seconds:.0f} s): a miniature, far from the paper's scale" if mode == "quick" else
+             f"FULL RUN ({data.name} on {where}, {seconds / 60:.1f} min)")
+    info = {"label": label, "mode": mode, "dataset": data.name, "backend": where,
+            "host": platform.node(), "cpu_count": cpu, "python": platform.python_version(),
+            "numpy": np.__version__, "date": datetime.datetime.now().isoformat(timespec="seconds"),
+            "wall_seconds": round(seconds, 1), "command": " ".join(["python -m experiments." + name] + argv)}
+    if where == "cupy":
+        try:
+            import cupy
+
+            info["gpu"] = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
+        except Exception:  # a name is nice to have, never worth failing a finished run
+            pass
+    return info
+
+
+def results_path(out, name, mode, ext):
+    return os.path.join(out, f"{name}{'_quick' if mode == 'quick' else ''}.{ext}")
+
+
+def save(results, name, out, plot=None):
+    """Write results (a dict) as JSON and, if plot is given, plot(results, png_path). Returns the paths."""
+    os.makedirs(out, exist_ok=True)
+    path = results_path(out, name, results["provenance"]["mode"], "json")
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(results, f, indent=1)
+    os.replace(tmp, path)
+    paths = [path]
+    if plot is not None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig = plot(results)
+        png = results_path(out, name, results["provenance"]["mode"], "png")
+        fig.savefig(png, dpi=90, bbox_inches="tight")
+        plt.close(fig)
+        paths.append(png)
+    return paths
+
+
+def use_backend(s):
+    """Switch to the run's backend (full mode defaults to cupy, and says so when there is no GPU)."""
+    name = s.get("backend") or "numpy"
+    if name == "cupy" and not backend.gpu_available():
+        raise SystemExit("full mode runs on a GPU (--backend cupy) but CuPy or a GPU is missing here: "
+                         "use --quick, or --backend numpy to run the full settings on the CPU (hours)")
+    minivit.set_backend(name)
+
+
+def mean_std(values):
+    values = [v for v in values if v is not None]
+    if not values:
+        return None, None
+    return float(np.mean(values)), float(np.std(values))
+
+
+def print_row(*cells):
+    print("  ".join(str(c) for c in cells), flush=True)

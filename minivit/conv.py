@@ -1,0 +1,539 @@
+"""Convolutions for the paper's hybrid model (§3.1) and for the ResNet it is compared with.
+
+The same two halves as the rest of minivit: pure forward/backward pairs first (convolution via im2col,
+GroupNorm, ReLU, global average pooling), then thin layers over them (Conv2d, GroupNorm, ReLU,
+ConvNormAct), then the two networks built from them:
+
+    ConvStem   a small CNN of total stride P whose feature map is cut into 1x1 patches and projected
+               to D: the "hybrid" patch embedding of §3.1. (B, H, W, C) -> (B, N, D), N = HW / P^2.
+    ResNet     a small CIFAR-style ResNet (BasicBlocks, GroupNorm, GAP, linear head): the CNN baseline
+               of the data-size experiment (the paper's BiT ResNets use GroupNorm too, with weight
+               standardisation, which is left out here).
+
+Everything is channels-last (NHWC) like the rest of minivit, and a kernel is (kh, kw, C_in, C_out), the
+layout of the JAX release (PyTorch's is (C_out, C_in, kh, kw)). The layer contract is layers.py's:
+backward ADDS into ``grads``.
+
+Letters in the shape comments (besides functional.py's B, H, W, C, D, N, K):
+    Ho, Wo   output height and width        kh, kw   kernel height and width
+    Co       output channels                G        GroupNorm groups
+"""
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from .backend import asarray, backend_of, get_array_module, host_rng, is_array, to_numpy
+from .layers import Layer, Linear, ones, zeros
+
+# --------------------------------------------------------------------------------------------------
+# Convolution as one matrix multiply: im2col gathers every window into a row
+# --------------------------------------------------------------------------------------------------
+
+
+def conv_output_size(size, kernel_size, stride, padding):
+    """Ho = (H + 2 pad - kh) // stride + 1."""
+    return (size + 2 * padding - kernel_size) // stride + 1
+
+
+def im2col(x, kh, kw, stride=1, padding=0):
+    """Every kh x kw window of x, flattened in (kh, kw, C) order, the kernel's own order.
+    x: (B, H, W, C), zero-padded by `padding` on each side. Returns cols (B, Ho, Wo, kh*kw*C)."""
+    xp = get_array_module(x)
+    B, H, W, C = x.shape
+    Ho, Wo = conv_output_size(H, kh, stride, padding), conv_output_size(W, kw, stride, padding)
+    xpad = xp.pad(x, ((0, 0), (padding, padding), (padding, padding), (0, 0)))   # (B, H+2p, W+2p, C)
+    cols = xp.empty((B, Ho, Wo, kh, kw, C), dtype=x.dtype)                        # (B, Ho, Wo, kh, kw, C)
+    for i in range(kh):          # one strided slice per kernel offset: kh*kw copies, no loop over pixels
+        for j in range(kw):
+            cols[:, :, :, i, j, :] = xpad[:, i:i + stride * Ho:stride, j:j + stride * Wo:stride, :]  # (B, Ho, Wo, C)
+    return cols.reshape(B, Ho, Wo, kh * kw * C)                                   # (B, Ho, Wo, kh*kw*C)
+
+
+def col2im(dcols, x_shape, kh, kw, stride=1, padding=0):
+    """im2col's backward: each window's gradient is added back onto the pixels it was read from.
+    Windows overlap when stride < kernel, so a pixel collects from up to kh*kw of them.
+    dcols: (B, Ho, Wo, kh*kw*C); x_shape: (B, H, W, C). Returns dx (B, H, W, C)."""
+    xp = get_array_module(dcols)
+    B, H, W, C = x_shape
+    _, Ho, Wo, _ = dcols.shape
+    dcols = dcols.reshape(B, Ho, Wo, kh, kw, C)                                   # (B, Ho, Wo, kh, kw, C)
+    dxpad = xp.zeros((B, H + 2 * padding, W + 2 * padding, C), dtype=dcols.dtype)  # (B, H+2p, W+2p, C)
+    for i in range(kh):
+        for j in range(kw):
+            dxpad[:, i:i + stride * Ho:stride, j:j + stride * Wo:stride, :] += dcols[:, :, :, i, j, :]
+    return dxpad[:, padding:padding + H, padding:padding + W, :]                  # (B, H, W, C)
+
+
+def conv2d_forward(x, weight, bias=None, stride=1, padding=0):
+    """out[b, i, j] = sum over the window at (i, j) of x * weight, + bias; computed as im2col(x) @ W.
+    x: (B, H, W, C); weight: (kh, kw, C, Co); bias: (Co,) or None. Returns out (B, Ho, Wo, Co)."""
+    kh, kw, C, Co = weight.shape
+    if x.shape[-1] != C:
+        raise ValueError(f"conv2d: the input has {x.shape[-1]} channels but the kernel {tuple(weight.shape)} "
+                         f"expects {C}")
+    cols = im2col(x, kh, kw, stride, padding)                 # (B, Ho, Wo, kh*kw*C)
+    B, Ho, Wo, KC = cols.shape
+    cols2 = cols.reshape(-1, KC)                              # (B*Ho*Wo, kh*kw*C): one row per output pixel
+    out = cols2 @ weight.reshape(KC, Co)                      # (B*Ho*Wo, Co)
+    if bias is not None:
+        out += bias
+    return out.reshape(B, Ho, Wo, Co), (cols2, weight, tuple(x.shape), stride, padding)
+
+
+def conv2d_backward(dout, cache):
+    """The linear layer's three lines on the im2col rows, then col2im folds the rows back into the image:
+    dW = cols^T dout, db = sum of dout, dx = col2im(dout W^T)."""
+    cols2, weight, x_shape, stride, padding = cache
+    kh, kw, C, Co = weight.shape
+    B, Ho, Wo, _ = dout.shape
+    dout2 = dout.reshape(-1, Co)                              # (B*Ho*Wo, Co)
+    dweight = (cols2.T @ dout2).reshape(weight.shape)         # (kh, kw, C, Co)
+    dbias = dout2.sum(0)                                      # (Co,)
+    dcols = dout2 @ weight.reshape(-1, Co).T                  # (B*Ho*Wo, kh*kw*C)
+    dx = col2im(dcols.reshape(B, Ho, Wo, -1), x_shape, kh, kw, stride, padding)  # (B, H, W, C)
+    return dx, dweight, dbias
+
+
+# --------------------------------------------------------------------------------------------------
+# GroupNorm (Wu & He 2018): LayerNorm over groups of channels and all positions, per image
+# --------------------------------------------------------------------------------------------------
+
+
+def _group_mean(v):
+    """The mean of v (B, HW, G, C/G) over each group: axes 1 and 3, kept as (B, 1, G, 1). Summed one axis
+    at a time: NumPy reduces two non-adjacent axes at once about 6x more slowly."""
+    return v.sum(1, keepdims=True).sum(3, keepdims=True) / (v.shape[1] * v.shape[3])
+
+
+def groupnorm_forward(x, weight, bias, num_groups, eps=1e-5):
+    """out = (x - mean_g) / sqrt(var_g + eps) * weight + bias, with mean_g and var_g taken per image over
+    the H*W positions and the C/G channels of each group (channels c*G/C ... grouped in order, as PyTorch).
+    x: (B, H, W, C); weight, bias: (C,). Returns out (B, H, W, C) and the cache."""
+    xp = get_array_module(x)
+    B, H, W, C = x.shape
+    G = num_groups
+    xg = x.reshape(B, H * W, G, C // G)                       # (B, HW, G, C/G)
+    mean = _group_mean(xg)                                    # (B, 1, G, 1)
+    xc = xg - mean                                            # (B, HW, G, C/G)
+    var = _group_mean(xc * xc)                                # (B, 1, G, 1)  biased, as PyTorch
+    rstd = 1.0 / xp.sqrt(var + eps)                           # (B, 1, G, 1)
+    xhat = (xc * rstd).reshape(B, H, W, C)                    # (B, H, W, C)
+    return xhat * weight + bias, (xhat, rstd, weight, G)
+
+
+def groupnorm_backward(dout, cache):
+    """LayerNorm's backward, with "the last axis" replaced by "the group" (positions and its channels):
+    dx = rstd * (dxhat - mean_g(dxhat) - xhat * mean_g(dxhat * xhat)), dxhat = dout * weight."""
+    xhat, rstd, weight, G = cache
+    B, H, W, C = xhat.shape
+    dweight = (dout * xhat).reshape(-1, C).sum(0)             # (C,)
+    dbias = dout.reshape(-1, C).sum(0)                        # (C,)
+    dxhat = (dout * weight).reshape(B, H * W, G, C // G)      # (B, HW, G, C/G)
+    xhat_g = xhat.reshape(B, H * W, G, C // G)                # (B, HW, G, C/G)
+    dx = rstd * (dxhat                                        # term 1: the direct path
+                 - _group_mean(dxhat)                         # term 2: through the group mean
+                 - xhat_g * _group_mean(dxhat * xhat_g))      # term 3: through the variance
+    return dx.reshape(B, H, W, C), dweight, dbias
+
+
+# --------------------------------------------------------------------------------------------------
+# ReLU and global average pooling
+# --------------------------------------------------------------------------------------------------
+
+
+def relu_forward(x):
+    """out = max(x, 0). Returns out and the mask of where x > 0."""
+    xp = get_array_module(x)
+    mask = x > 0                                              # same shape as x
+    return xp.maximum(x, 0), mask
+
+
+def relu_backward(dout, cache):
+    """The gradient passes where the input was positive, and is zero elsewhere."""
+    return dout * cache
+
+
+def gap_forward(x):
+    """Global average pooling: the mean over all positions. x: (B, H, W, C) -> (B, C)."""
+    return x.mean((1, 2)), tuple(x.shape)
+
+
+def gap_backward(dout, cache):
+    """Each of the H*W positions receives 1/(H*W) of the gradient. dout: (B, C) -> (B, H, W, C)."""
+    xp = get_array_module(dout)
+    B, H, W, C = cache
+    return xp.broadcast_to(dout[:, None, None, :] / (H * W), (B, H, W, C)).copy()
+
+
+# --------------------------------------------------------------------------------------------------
+# Layers
+# --------------------------------------------------------------------------------------------------
+
+
+def he_normal(rng, shape, fan_in, dtype):
+    """N(0, 2 / fan_in): He et al.'s initialisation for layers followed by a ReLU (PyTorch's
+    kaiming_normal_ with mode='fan_in'). Drawn on the host with rng, like layers.trunc_normal."""
+    return asarray(rng.standard_normal(shape) * math.sqrt(2.0 / fan_in), dtype=dtype)
+
+
+class Conv2d(Layer):
+    """A 2-D convolution, channels last: weight (kh, kw, C_in, C_out), square kernel, zero padding."""
+
+    def __init__(self, in_chans, out_chans, kernel_size=3, stride=1, padding=None, bias=True, rng=None,
+                 dtype="float32"):
+        super().__init__()
+        rng = host_rng(0) if rng is None else rng
+        k = kernel_size
+        self.in_chans, self.out_chans, self.kernel_size, self.stride = in_chans, out_chans, k, stride
+        self.padding = k // 2 if padding is None else padding     # "same" size at stride 1 for odd k
+        self.params["weight"] = he_normal(rng, (k, k, in_chans, out_chans), k * k * in_chans, dtype)  # (kh, kw, C, Co)
+        self.grads["weight"] = zeros((k, k, in_chans, out_chans), dtype)
+        if bias:
+            self.params["bias"] = zeros((out_chans,), dtype)                                        # (Co,)
+            self.grads["bias"] = zeros((out_chans,), dtype)
+
+    def forward(self, x):  # (B, H, W, C) -> (B, Ho, Wo, Co)
+        out, cache = conv2d_forward(x, self.params["weight"], self.params.get("bias"), self.stride, self.padding)
+        self.cache = cache if self.training else None
+        return out
+
+    def backward(self, dout):  # (B, Ho, Wo, Co) -> (B, H, W, C)
+        dx, dweight, dbias = conv2d_backward(dout, self._need_cache())
+        self.grads["weight"] += dweight
+        if "bias" in self.grads:
+            self.grads["bias"] += dbias
+        return dx
+
+    def extra_repr(self):
+        return (f"{self.in_chans} -> {self.out_chans}, kernel={self.kernel_size}, stride={self.stride}, "
+                f"padding={self.padding}, bias={'bias' in self.params}")
+
+
+class GroupNorm(Layer):
+    """Normalise each image over groups of C/G channels (and all positions), then scale and shift.
+    Unlike BatchNorm it does not look across the batch, so train and eval compute the same."""
+
+    def __init__(self, num_groups, num_chans, eps=1e-5, dtype="float32"):
+        super().__init__()
+        if num_chans % num_groups:
+            raise ValueError(f"GroupNorm: {num_chans} channels cannot be split into {num_groups} equal groups")
+        self.num_groups, self.num_chans, self.eps = num_groups, num_chans, eps
+        self.params["weight"] = ones((num_chans,), dtype)   # (C,)  gamma
+        self.params["bias"] = zeros((num_chans,), dtype)    # (C,)  beta
+        self.grads["weight"] = zeros((num_chans,), dtype)
+        self.grads["bias"] = zeros((num_chans,), dtype)
+
+    def forward(self, x):  # (B, H, W, C) -> (B, H, W, C)
+        out, cache = groupnorm_forward(x, self.params["weight"], self.params["bias"], self.num_groups, self.eps)
+        self.cache = cache if self.training else None
+        return out
+
+    def backward(self, dout):
+        dx, dweight, dbias = groupnorm_backward(dout, self._need_cache())
+        self.grads["weight"] += dweight
+        self.grads["bias"] += dbias
+        return dx
+
+    def extra_repr(self):
+        return f"groups={self.num_groups}, channels={self.num_chans}, eps={self.eps}"
+
+
+class ReLU(Layer):
+    """out = max(x, 0), elementwise; no parameters."""
+
+    def forward(self, x):
+        out, cache = relu_forward(x)
+        self.cache = cache if self.training else None
+        return out
+
+    def backward(self, dout):
+        return relu_backward(dout, self._need_cache())
+
+
+class GlobalAvgPool(Layer):
+    """(B, H, W, C) -> (B, C): the mean over positions (the ResNet's pooling before its head)."""
+
+    def forward(self, x):
+        out, cache = gap_forward(x)
+        self.cache = cache if self.training else None
+        return out
+
+    def backward(self, dout):
+        return gap_backward(dout, self._need_cache())
+
+
+def groups_for(num_chans, max_groups=8):
+    """The GroupNorm groups used by ConvStem and ResNet: 8 (or fewer, the largest number <= 8 that
+    divides the channels, so that small test models work too)."""
+    return max(g for g in range(1, max_groups + 1) if num_chans % g == 0)
+
+
+class ConvNormAct(Layer):
+    """conv (no bias: the norm's shift replaces it) -> GroupNorm -> ReLU (the ReLU only if act=True)."""
+
+    def __init__(self, in_chans, out_chans, kernel_size=3, stride=1, act=True, rng=None, dtype="float32"):
+        super().__init__()
+        self.conv = self.add("conv", Conv2d(in_chans, out_chans, kernel_size, stride, bias=False, rng=rng,
+                                            dtype=dtype))
+        self.norm = self.add("norm", GroupNorm(groups_for(out_chans), out_chans, dtype=dtype))
+        self.act = self.add("act", ReLU()) if act else None
+        self.gather()
+
+    def forward(self, x):                                   # (B, H, W, C)
+        h = self.norm.forward(self.conv.forward(x))         # (B, Ho, Wo, Co)
+        return self.act.forward(h) if self.act else h
+
+    def backward(self, dout):                               # (B, Ho, Wo, Co)
+        dh = self.act.backward(dout) if self.act else dout
+        return self.conv.backward(self.norm.backward(dh))   # (B, H, W, C)
+
+    def extra_repr(self):
+        c = self.conv
+        return (f"{c.in_chans} -> {c.out_chans}, kernel={c.kernel_size}, stride={c.stride}, "
+                f"GroupNorm({self.norm.num_groups})" + (", ReLU" if self.act else ""))
+
+
+# --------------------------------------------------------------------------------------------------
+# The hybrid's stem (paper §3.1): CNN feature map -> 1x1 patches -> D
+# --------------------------------------------------------------------------------------------------
+
+
+class ConvStem(Layer):
+    """The hybrid patch embedding: "the input sequence can be formed from feature maps of a CNN ...
+    the patches can have spatial size 1x1" (§3.1).
+
+        stages.0            3x3 conv, stride 1, C -> channels[0], GroupNorm, ReLU
+        stages.1 ... k      3x3 conv, stride 2, channels[i-1] -> channels[i], GroupNorm, ReLU
+        flatten             each of the (H/2^k) x (W/2^k) feature-map positions is one token
+        proj                linear, channels[-1] -> D (a 1x1 "patch" projection)
+
+    With k = log2(P) stride-2 stages the token grid is the patch stem's, (H/P) x (W/P), so a hybrid
+    and a plain ViT with the same patch_size have the same sequence length.
+    (B, H, W, C) -> (B, N, D).
+    """
+
+    def __init__(self, in_chans, channels, embed_dim, rng=None, dtype="float32"):
+        super().__init__()
+        self.channels = tuple(channels)
+        self.stages = []
+        c_in = in_chans
+        for i, c_out in enumerate(self.channels):
+            stage = ConvNormAct(c_in, c_out, 3, stride=1 if i == 0 else 2, rng=rng, dtype=dtype)
+            self.stages.append(self.add(f"stages.{i}", stage))
+            c_in = c_out
+        self.proj = self.add("proj", Linear(c_in, embed_dim, rng=rng, dtype=dtype))
+        self.gather()
+
+    def features(self, x):
+        """The CNN's feature map (B, H/P, W/P, channels[-1]), before it is cut into tokens."""
+        for stage in self.stages:
+            x = stage.forward(x)                            # (B, H/2^i, W/2^i, channels[i])
+        return x
+
+    def forward(self, x):                                   # (B, H, W, C)
+        fmap = self.features(x)                             # (B, gh, gw, c)
+        B, gh, gw, c = fmap.shape
+        self.cache = fmap.shape if self.training else None
+        tokens = fmap.reshape(B, gh * gw, c)                # (B, N, c): 1x1 patches, row-major over the grid
+        return self.proj.forward(tokens)                    # (B, N, D)
+
+    def backward(self, dout):                               # (B, N, D)
+        fmap_shape = self._need_cache()
+        dfmap = self.proj.backward(dout).reshape(fmap_shape)  # (B, gh, gw, c)
+        for stage in reversed(self.stages):
+            dfmap = stage.backward(dfmap)                   # back up through each stage
+        return dfmap                                        # (B, H, W, C)
+
+    def extra_repr(self):
+        return f"channels={self.channels}"
+
+
+# --------------------------------------------------------------------------------------------------
+# The CNN baseline: a small ResNet (He et al. 2016) with GroupNorm
+# --------------------------------------------------------------------------------------------------
+
+
+class BasicBlock(Layer):
+    """ResNet's basic block (two 3x3 convs) with GroupNorm:
+        h   = relu(norm1(conv1(x)))           conv1 has the block's stride
+        out = relu(norm2(conv2(h)) + s(x))    s: identity, or a strided 1x1 conv + norm when the shape changes
+    """
+
+    def __init__(self, in_chans, out_chans, stride=1, rng=None, dtype="float32"):
+        super().__init__()
+        self.conv1 = self.add("conv1", Conv2d(in_chans, out_chans, 3, stride, bias=False, rng=rng, dtype=dtype))
+        self.norm1 = self.add("norm1", GroupNorm(groups_for(out_chans), out_chans, dtype=dtype))
+        self.act1 = self.add("act1", ReLU())
+        self.conv2 = self.add("conv2", Conv2d(out_chans, out_chans, 3, 1, bias=False, rng=rng, dtype=dtype))
+        self.norm2 = self.add("norm2", GroupNorm(groups_for(out_chans), out_chans, dtype=dtype))
+        self.shortcut = None
+        if stride != 1 or in_chans != out_chans:
+            self.shortcut = self.add("shortcut", ConvNormAct(in_chans, out_chans, 1, stride, act=False, rng=rng,
+                                                             dtype=dtype))
+        self.act2 = self.add("act2", ReLU())
+        self.gather()
+
+    def forward(self, x):                                                   # (B, H, W, C)
+        h = self.act1.forward(self.norm1.forward(self.conv1.forward(x)))    # (B, Ho, Wo, Co)
+        h = self.norm2.forward(self.conv2.forward(h))                       # (B, Ho, Wo, Co)
+        s = x if self.shortcut is None else self.shortcut.forward(x)        # (B, Ho, Wo, Co)
+        return self.act2.forward(h + s)                                     # (B, Ho, Wo, Co)
+
+    def backward(self, dout):                                               # (B, Ho, Wo, Co)
+        dsum = self.act2.backward(dout)                                     # through the last ReLU
+        # the branch: norm2(conv2(relu(norm1(conv1(x)))))
+        dh = self.conv2.backward(self.norm2.backward(dsum))                 # (B, Ho, Wo, Co)
+        dx = self.conv1.backward(self.norm1.backward(self.act1.backward(dh)))  # (B, H, W, C)
+        # the shortcut: the sum passes dsum to it unchanged
+        return dx + (dsum if self.shortcut is None else self.shortcut.backward(dsum))
+
+
+@dataclass(frozen=True)
+class ResNetConfig:
+    """The shape of the baseline ResNet. The default is a ResNet-8-like net for 32x32 images."""
+
+    img_size: tuple = (32, 32)     # (H, W): only for the FLOP count; the net takes any size (it ends in GAP)
+    in_chans: int = 3              # C
+    num_classes: int = 10          # K
+    widths: tuple = (16, 32, 64)   # channels of each stage; stages after the first halve H and W
+    depths: tuple = (1, 1, 1)      # BasicBlocks per stage (ResNet-20 on CIFAR: (3, 3, 3))
+
+    def __post_init__(self):
+        img = self.img_size
+        if isinstance(img, int) and not isinstance(img, bool):
+            img = (img, img)
+        if not (isinstance(img, (tuple, list)) and len(img) == 2 and all(isinstance(v, int) and v > 0 for v in img)):
+            raise ValueError(f"img_size must be an int or a pair (H, W) of positive ints, got {self.img_size!r}")
+        object.__setattr__(self, "img_size", tuple(img))
+        for name in ("in_chans", "num_classes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        for name in ("widths", "depths"):
+            value = getattr(self, name)
+            if (not isinstance(value, (tuple, list)) or not value
+                    or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value)):
+                raise ValueError(f"{name} must be a non-empty tuple of positive ints, got {value!r}")
+            object.__setattr__(self, name, tuple(value))
+        if len(self.widths) != len(self.depths):
+            raise ValueError(f"widths {self.widths} and depths {self.depths} must have one entry per stage")
+
+    def blocks(self):
+        """(in_chans, out_chans, stride) of every BasicBlock, in order."""
+        out, c_in = [], self.widths[0]
+        for s, (width, depth) in enumerate(zip(self.widths, self.depths)):
+            for b in range(depth):
+                out.append((c_in, width, 2 if s > 0 and b == 0 else 1))
+                c_in = width
+        return out
+
+    def num_params(self):
+        """The parameter count from the shapes alone (convs have no bias; each GroupNorm has 2 C)."""
+        C, w0, K = self.in_chans, self.widths[0], self.num_classes
+        total = 9 * C * w0 + 2 * w0                                     # stem conv + norm
+        for c_in, c_out, stride in self.blocks():
+            total += 9 * c_in * c_out + 2 * c_out + 9 * c_out * c_out + 2 * c_out   # conv1, norm1, conv2, norm2
+            if stride != 1 or c_in != c_out:
+                total += c_in * c_out + 2 * c_out                       # shortcut 1x1 conv + norm
+        return total + self.widths[-1] * K + K                          # head
+
+    def to_dict(self):
+        d = dataclasses.asdict(self)
+        d.update(img_size=list(self.img_size), widths=list(self.widths), depths=list(self.depths))
+        return d
+
+
+class ResNet(Layer):
+    """The CNN baseline: stem (3x3 conv, norm, ReLU) -> stages of BasicBlocks -> GAP -> linear head.
+    ``forward(x)`` maps images (B, H, W, C) to logits (B, K); ``backward(dlogits)`` returns dx."""
+
+    def __init__(self, config, seed=0, dtype="float32"):
+        super().__init__()
+        if not isinstance(config, ResNetConfig):
+            raise TypeError(f"config must be a ResNetConfig, got {type(config).__name__}")
+        if dtype not in ("float32", "float64"):
+            raise ValueError(f"dtype must be 'float32' or 'float64', got {dtype!r}")
+        self.config, self.dtype, self.seed = config, dtype, seed
+        c = config
+        rng = host_rng(seed)
+        self.stem = self.add("stem", ConvNormAct(c.in_chans, c.widths[0], 3, 1, rng=rng, dtype=dtype))
+        self.blocks = []
+        names = [f"stages.{s}.{b}" for s, depth in enumerate(c.depths) for b in range(depth)]
+        for name, (c_in, c_out, stride) in zip(names, c.blocks()):
+            self.blocks.append((name, self.add(name, BasicBlock(c_in, c_out, stride, rng=rng, dtype=dtype))))
+        self.pool = self.add("pool", GlobalAvgPool())
+        self.head = self.add("head", Linear(c.widths[-1], c.num_classes, rng=rng, dtype=dtype))
+        self.gather()
+
+    def stages(self):
+        """(name, layer) in forward order; backward runs them in reverse."""
+        return [("stem", self.stem)] + self.blocks + [("pool", self.pool), ("head", self.head)]
+
+    def forward(self, x):
+        """x: float images (B, H, W, C), channels last. Returns logits (B, K)."""
+        self.check_input(x)
+        for _, layer in self.stages():
+            x = layer.forward(x)           # (B, H', W', C') ... (B, C_last) -> (B, K)
+        return x
+
+    def backward(self, dlogits):
+        """dlogits: (B, K). Returns dx (B, H, W, C)."""
+        K = self.config.num_classes
+        if not is_array(dlogits) or dlogits.ndim != 2 or dlogits.shape[1] != K:
+            raise ValueError(f"dlogits must be an array (B, {K}), got {getattr(dlogits, 'shape', type(dlogits))}")
+        dx = dlogits
+        for _, layer in reversed(self.stages()):
+            dx = layer.backward(dx)
+        return dx
+
+    __call__ = forward
+
+    @property
+    def backend(self):
+        return backend_of(self.params["head.weight"])
+
+    def num_params(self):
+        return sum(int(p.size) for p in self.params.values())
+
+    def check_input(self, x):
+        C = self.config.in_chans
+        if not is_array(x):
+            raise TypeError(f"expected an image batch as a numpy or cupy array (B, H, W, {C}), got {type(x).__name__}")
+        if backend_of(x) != self.backend:
+            raise TypeError(f"the input is a {backend_of(x)} array but the model lives on {self.backend}")
+        if x.ndim != 4 or x.shape[3] != C:
+            raise ValueError(f"expected a channels-last image batch (B, H, W, {C}), got shape {tuple(x.shape)}")
+        if x.dtype != self.dtype:
+            raise TypeError(f"the input is {x.dtype} but the model is {self.dtype}: use x.astype('{self.dtype}')")
+
+    def state_dict(self):
+        """Every parameter as a host NumPy copy."""
+        return {name: to_numpy(p).copy() for name, p in self.params.items()}
+
+    def load_state_dict(self, state):
+        """Copy parameters in; strict (same keys and shapes), and a refused load changes nothing."""
+        if set(state) != set(self.params):
+            raise ValueError(f"load_state_dict refused: missing keys {sorted(set(self.params) - set(state))}, "
+                             f"unexpected keys {sorted(set(state) - set(self.params))}")
+        wrong = [k for k, p in self.params.items() if tuple(state[k].shape) != tuple(p.shape)]
+        if wrong:
+            raise ValueError(f"load_state_dict refused: mis-shaped {wrong}")
+        for k, p in self.params.items():
+            p[...] = asarray(state[k], dtype=p.dtype, backend=backend_of(p))
+        return self
+
+    def extra_repr(self):
+        c = self.config
+        return f"widths={c.widths}, depths={c.depths}, num_classes={c.num_classes}, params={self.num_params():,}"
+
+
+resnet_presets = {
+    # 78k parameters, 25 MFLOPs per 32x32x3 image (forward): about the 64-wide, 4-block ViT of the quick
+    # experiments (22 MFLOPs at 32x32, patch 4)
+    "resnet8_gn": ResNetConfig(widths=(16, 32, 64), depths=(1, 1, 1)),
+    # ResNet-20 of He et al. §4.2 (0.27M parameters), with GroupNorm in place of BatchNorm
+    "resnet20_gn": ResNetConfig(widths=(16, 32, 64), depths=(3, 3, 3)),
+    # wider, for the GPU runs on CIFAR-10: 0.70M parameters, 211 MFLOPs (vit_cifar_tiny: 1.8M, 251 MFLOPs)
+    "resnet14_gn_wide": ResNetConfig(widths=(32, 64, 128), depths=(2, 2, 2)),
+}
