@@ -9,6 +9,7 @@
 
 from .backend import (asarray, backend_module, get_array_module, get_backend, gpu_available, set_backend,
                       to_numpy)
+from .checkpoint import load_model
 from .functional import cross_entropy
 from .gradcheck import GradcheckReport, gradcheck
 from .model import ViT, ViTConfig, create_model, presets, trace
@@ -17,4 +18,4 @@ __version__ = "0.1.0"
 
 __all__ = ["asarray", "backend_module", "get_array_module", "get_backend", "gpu_available", "set_backend",
            "to_numpy", "cross_entropy", "gradcheck", "GradcheckReport", "ViT", "ViTConfig", "create_model",
-           "presets", "trace"]
+           "presets", "trace", "load_model"]

@@ -1,0 +1,71 @@
+"""Training curves: loss and accuracy against epochs, from OUT/metrics.jsonl.
+
+    python -m minivit.plot runs/cifar10          # writes runs/cifar10/curves.png
+"""
+
+import argparse
+import json
+import os
+import sys
+
+
+def read_metrics(out_dir):
+    """The list of evaluation records in OUT/metrics.jsonl (one JSON object per line)."""
+    path = os.path.join(out_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"no metrics at {path!r}: is {out_dir!r} the --out folder of a training run?")
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def plot_curves(history, path=None, title=None):
+    """Two panels, loss and accuracy (train and validation) against epochs. history: a list of records
+    (TrainResult.history) or a run folder. Saves to path when given; returns the matplotlib Figure."""
+    import matplotlib
+
+    if path is not None and matplotlib.get_backend().lower() not in ("agg", "module://matplotlib_inline.backend_inline"):
+        matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if isinstance(history, (str, os.PathLike)):
+        title = title or os.path.basename(os.path.normpath(history))
+        history = read_metrics(history)
+    if not history:
+        raise ValueError("no evaluation records to plot")
+    epochs = [r["epoch"] for r in history]
+    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(9, 3.4), dpi=90)
+    ax_loss.plot(epochs, [r["train_loss"] for r in history], "o-", label="train")
+    ax_loss.plot(epochs, [r["val_loss"] for r in history], "s-", label="validation")
+    ax_loss.set(xlabel="epoch", ylabel="cross-entropy", title="loss")
+    ax_acc.plot(epochs, [100 * r["train_acc"] for r in history], "o-", label="train")
+    ax_acc.plot(epochs, [100 * r["val_acc"] for r in history], "s-", label="validation")
+    ax_acc.set(xlabel="epoch", ylabel="accuracy (%)", title="accuracy")
+    for ax in (ax_loss, ax_acc):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    if path is not None:
+        fig.savefig(path)
+        plt.close(fig)
+    return fig
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m minivit.plot", description="Plot training curves of a run.")
+    p.add_argument("out", help="the --out folder of a training run")
+    p.add_argument("--path", help="where to write the PNG (default OUT/curves.png)")
+    args = p.parse_args(argv)
+    path = args.path or os.path.join(args.out, "curves.png")
+    try:
+        plot_curves(args.out, path)
+    except (FileNotFoundError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
