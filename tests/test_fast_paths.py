@@ -1,0 +1,275 @@
+"""The fast paths (minivit/kernels.py) against the reference lines of functional.py.
+
+For float32 arrays LayerNorm, GELU and softmax run from minivit.kernels: in cache-sized blocks on the
+CPU, as fused kernels on the GPU. They must compute the same function as the reference, so each is
+compared with the reference evaluated in float64 (the exact math), to float32 tolerance, on random
+inputs of awkward shapes (rows that do not fill a block, rows longer than a block, huge values).
+The GPU tests are skipped without CuPy and a GPU (`pytest tests/test_fast_paths.py` on a GPU machine).
+"""
+
+import numpy as np
+import pytest
+import scipy.special
+
+import minivit
+from minivit import backend, kernels
+from minivit import functional as F
+
+
+@pytest.fixture
+def reference():
+    """Run the body with the fast paths off, then switch them back on."""
+    backend.set_fast_kernels(False)
+    yield
+    backend.set_fast_kernels(True)
+
+
+def rel(a, b):
+    """Largest error relative to the largest reference value."""
+    a, b = minivit.to_numpy(a).astype(np.float64), minivit.to_numpy(b).astype(np.float64)
+    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
+
+
+def ref64(fn, *arrays):
+    """fn on float64 copies of the arrays, with the fast paths off: the exact math."""
+    backend.set_fast_kernels(False)
+    try:
+        return fn(*[np.asarray(minivit.to_numpy(a), dtype=np.float64) for a in arrays])
+    finally:
+        backend.set_fast_kernels(True)
+
+
+# ---- erf -------------------------------------------------------------------------------------------
+
+def test_erf_is_within_1e7_of_the_exact_erf(rng):
+    x = np.concatenate([np.linspace(-7, 7, 1_400_001), rng.standard_normal(100_000) * 3,
+                        [0.0, -0.0, 1e-30, -1e-8, 3.9, 4.0, 4.1, 1e30, -1e30]]).astype(np.float32)
+    got = kernels.erf(x)
+    assert got.dtype == np.float32 and got.shape == x.shape
+    exact = scipy.special.erf(x.astype(np.float64))
+    assert np.abs(got - exact).max() <= 1e-7
+    # small arguments keep their relative accuracy too (erf(x) ~ 2x / sqrt(pi))
+    tiny = np.float32([1e-3, -1e-5, 1e-20])
+    np.testing.assert_allclose(kernels.erf(tiny), scipy.special.erf(tiny.astype(np.float64)), rtol=2e-7)
+
+
+def test_erf_keeps_nan_and_saturates_at_infinity():
+    out = kernels.erf(np.float32([np.nan, np.inf, -np.inf]))
+    assert np.isnan(out[0]) and out[1] == 1.0 and out[2] == -1.0
+
+
+def test_erf_takes_any_shape_and_layout(rng):
+    x = rng.standard_normal((5, 7, 9)).astype(np.float32)[:, ::2].transpose(2, 0, 1)   # not contiguous
+    np.testing.assert_allclose(kernels.erf(x), scipy.special.erf(x.astype(np.float64)), atol=1e-7, rtol=0)
+    assert kernels.erf(np.zeros((0, 3), np.float32)).shape == (0, 3)
+    with pytest.raises(TypeError, match="float32"):
+        kernels.erf(np.zeros(3))
+
+
+def test_backend_erf_is_fast_only_for_float32():
+    x = np.linspace(-3, 3, 1001)
+    np.testing.assert_array_equal(backend.erf(x), scipy.special.erf(x))                 # float64: exact
+    x32 = x.astype(np.float32)
+    np.testing.assert_array_equal(backend.erf(x32), kernels.erf(x32))
+    backend.set_fast_kernels(False)
+    try:
+        np.testing.assert_array_equal(backend.erf(x32), scipy.special.erf(x32))
+    finally:
+        backend.set_fast_kernels(True)
+
+
+# ---- the pairs on the CPU ----------------------------------------------------------------------------
+
+SHAPES = [(3, 5, 8), (2, 37, 50), (64, 65, 192), (7, 3000)]   # partial blocks, rows longer than a block
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("approximate", ["erf", "tanh"])
+def test_gelu_fast_path_matches_the_reference(rng, shape, approximate):
+    x = (rng.standard_normal(shape) * 3).astype(np.float32)
+    dout = rng.standard_normal(shape).astype(np.float32)
+    out, cache = F.gelu_forward(x, approximate)
+    dx = F.gelu_backward(dout, cache)
+    out64, cache64 = ref64(lambda a: F.gelu_forward(a, approximate), x)
+    dx64 = ref64(lambda d: F.gelu_backward(d, cache64), dout)
+    assert out.dtype == dx.dtype == np.float32 and out.shape == dx.shape == x.shape
+    assert rel(out, out64) < 1e-6 and rel(dx, dx64) < 2e-6
+    assert cache[0] is x and cache[1] == approximate     # the same cache as the reference: x alone
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_layernorm_fast_path_matches_the_reference(rng, shape):
+    D = shape[-1]
+    x = (rng.standard_normal(shape) * 3 + 5).astype(np.float32)
+    w = (1 + 0.5 * rng.standard_normal(D)).astype(np.float32)
+    b = rng.standard_normal(D).astype(np.float32)
+    dout = rng.standard_normal(shape).astype(np.float32)
+    out, cache = F.layernorm_forward(x, w, b)
+    dx, dw, db = F.layernorm_backward(dout, cache)
+    out64, cache64 = ref64(lambda *a: F.layernorm_forward(*a), x, w, b)
+    dx64, dw64, db64 = ref64(lambda d: F.layernorm_backward(d, cache64), dout)
+    assert {a.dtype for a in (out, dx, dw, db, cache[0], cache[1])} == {np.dtype(np.float32)}
+    assert cache[0].shape == shape and cache[1].shape == shape[:-1] + (1,) and cache[2] is w
+    assert rel(out, out64) < 2e-6 and rel(cache[0], cache64[0]) < 2e-6 and rel(cache[1], cache64[1]) < 2e-6
+    assert rel(dx, dx64) < 5e-6 and rel(dw, dw64) < 5e-6 and rel(db, db64) < 5e-6
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 5, 5), (4, 3, 65, 65), (3, 20000), (6, 1)])
+def test_softmax_fast_path_matches_the_reference(rng, shape):
+    x = (rng.standard_normal(shape) * 5).astype(np.float32)
+    x.reshape(-1, shape[-1])[0, 0] = 1000.0              # exp would overflow without the max shift
+    dout = rng.standard_normal(shape).astype(np.float32)
+    s, cache = F.softmax_forward(x)
+    dx = F.softmax_backward(dout, cache)
+    s64, _ = ref64(F.softmax_forward, x)
+    dx64 = ref64(F.softmax_backward, dout, s64)
+    assert s.dtype == dx.dtype == np.float32 and np.isfinite(s).all()
+    np.testing.assert_allclose(s.sum(-1), 1.0, rtol=1e-5)
+    assert rel(s, s64) < 1e-6 and rel(dx, dx64) < 2e-6
+
+
+def test_fast_and_reference_caches_are_interchangeable(rng, reference):
+    """A cache made by one path works in the other's backward (same layout, same meaning)."""
+    x = rng.standard_normal((4, 9, 16)).astype(np.float32)
+    w, b = np.ones(16, np.float32), np.zeros(16, np.float32)
+    dout = rng.standard_normal(x.shape).astype(np.float32)
+    _, ref_cache = F.layernorm_forward(x, w, b)           # reference forward (fast paths are off here)
+    ref_dx = F.layernorm_backward(dout, ref_cache)[0]
+    backend.set_fast_kernels(True)
+    fast_dx = F.layernorm_backward(dout, ref_cache)[0]    # fast backward on the reference cache
+    assert rel(fast_dx, ref_dx) < 1e-5
+
+
+def test_threads_give_the_same_numbers(rng, monkeypatch):
+    """MINIVIT_NUM_THREADS shares the blocks among threads; every result is the same to the bit
+    (LayerNorm's dweight is summed per block, in block order, whatever the thread count)."""
+    x = rng.standard_normal((8, 65, 192)).astype(np.float32)
+    dout = rng.standard_normal(x.shape).astype(np.float32)
+    w, b = rng.standard_normal(192).astype(np.float32), rng.standard_normal(192).astype(np.float32)
+
+    def run():
+        out, cache = F.layernorm_forward(x, w, b)
+        g, gcache = F.gelu_forward(x)
+        s, _ = F.softmax_forward(x)
+        return (out, *F.layernorm_backward(dout, cache), g, F.gelu_backward(dout, gcache), s,
+                F.softmax_backward(dout, s), kernels.erf(x))
+
+    one = run()
+    monkeypatch.setenv("MINIVIT_NUM_THREADS", "2")
+    assert kernels.num_threads() == 2
+    for a, b_ in zip(one, run()):
+        np.testing.assert_array_equal(a, b_)
+    monkeypatch.setenv("MINIVIT_NUM_THREADS", "zero")
+    with pytest.raises(ValueError, match="MINIVIT_NUM_THREADS"):
+        kernels.num_threads()
+
+
+def test_float64_never_takes_a_fast_path(rng, monkeypatch):
+    calls = []
+    for name in ("gelu_forward", "layernorm_forward", "softmax_forward", "erf"):
+        monkeypatch.setattr(kernels, name, lambda *a, _n=name, **k: calls.append(_n))
+    x = rng.standard_normal((2, 3, 4))
+    F.gelu_forward(x)
+    F.layernorm_forward(x, np.ones(4), np.zeros(4))
+    F.softmax_forward(x)
+    backend.erf(x)
+    assert calls == []
+
+
+def test_set_fast_kernels_checks_its_argument():
+    with pytest.raises(TypeError, match="True or False"):
+        backend.set_fast_kernels("yes")
+    assert backend.fast_kernels_enabled()
+
+
+def test_float32_model_stays_float32_and_matches_the_reference(reference):
+    """The whole model in float32, reference and fast: the same logits and gradients; and nothing in
+    the fast model's step (caches, gradients, dx) is silently float64."""
+    config = minivit.ViTConfig(img_size=16, patch_size=4, num_classes=5, embed_dim=24, depth=2, num_heads=3)
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((4, 16, 16, 3)).astype(np.float32)
+    labels = rng.integers(0, 5, 4)
+    results = []
+    for fast in (False, True):
+        backend.set_fast_kernels(fast)
+        minivit.set_backend("numpy")
+        model = minivit.ViT(config, seed=1)
+        logits = model.forward(x)
+        loss, dlogits = minivit.cross_entropy(logits, labels)
+        model.zero_grad()
+        dx = model.backward(dlogits)
+        results.append((logits, dx, {k: g.copy() for k, g in model.grads.items()}))
+        if fast:
+            assert logits.dtype == dx.dtype == np.float32
+            assert all(g.dtype == np.float32 for g in model.grads.values())
+            stack = [model]
+            while stack:
+                layer = stack.pop()
+                stack += list(layer.children.values())
+                cache = layer.cache if isinstance(layer.cache, tuple) else (layer.cache,)
+                for a in cache:
+                    if isinstance(a, np.ndarray):
+                        assert a.dtype == np.float32, (type(layer).__name__, a.dtype)
+    (l0, dx0, g0), (l1, dx1, g1) = results
+    assert rel(l1, l0) < 1e-5 and rel(dx1, dx0) < 1e-4
+    for k in g0:
+        assert rel(g1[k], g0[k]) < 1e-4, k
+
+
+# ---- the fused CuPy kernels (skipped without a GPU) ------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(3, 5, 8), (64, 65, 192), (2, 7, 300), (4, 1000), (5, 1)])
+def test_gpu_fused_kernels_match_the_reference(rng, shape):
+    cp = backend.backend_module("cupy")
+    D = shape[-1]
+    x = (rng.standard_normal(shape) * 3 + 1).astype(np.float32)
+    x.reshape(-1, D)[0, 0] = 80.0                       # softmax stability
+    w = (1 + 0.5 * rng.standard_normal(D)).astype(np.float32)
+    b = rng.standard_normal(D).astype(np.float32)
+    dout = rng.standard_normal(shape).astype(np.float32)
+    gx, gw, gb, gd = (cp.asarray(a) for a in (x, w, b, dout))
+
+    for approximate in ("erf", "tanh"):
+        out, cache = F.gelu_forward(gx, approximate)
+        dx = F.gelu_backward(gd, cache)
+        out64, cache64 = ref64(lambda a: F.gelu_forward(a, approximate), x)
+        assert isinstance(out, cp.ndarray) and out.dtype == dx.dtype == np.float32
+        assert rel(out, out64) < 1e-6 and rel(dx, ref64(lambda d: F.gelu_backward(d, cache64), dout)) < 2e-6
+
+    out, cache = F.layernorm_forward(gx, gw, gb)
+    dx, dw, db = F.layernorm_backward(gd, cache)
+    out64, cache64 = ref64(lambda *a: F.layernorm_forward(*a), x, w, b)
+    dx64, dw64, db64 = ref64(lambda d: F.layernorm_backward(d, cache64), dout)
+    assert cache[1].shape == shape[:-1] + (1,)
+    assert rel(out, out64) < 2e-6 and rel(cache[0], cache64[0]) < 2e-6 and rel(cache[1], cache64[1]) < 2e-6
+    assert rel(dx, dx64) < 5e-6 and rel(dw, dw64) < 5e-6 and rel(db, db64) < 5e-6
+
+    s, cache = F.softmax_forward(gx)
+    ds = F.softmax_backward(gd, cache)
+    s64, _ = ref64(F.softmax_forward, x)
+    assert bool(cp.isfinite(s).all())
+    assert rel(s, s64) < 1e-6 and rel(ds, ref64(F.softmax_backward, dout, s64)) < 2e-6
+
+
+@pytest.mark.gpu
+def test_gpu_model_fast_and_reference_agree():
+    config = minivit.ViTConfig(img_size=32, patch_size=4, num_classes=10, embed_dim=64, depth=2, num_heads=4)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((8, 32, 32, 3)).astype(np.float32)
+    labels = rng.integers(0, 10, 8)
+    out = []
+    for fast in (False, True):
+        backend.set_fast_kernels(fast)
+        minivit.set_backend("cupy")
+        model = minivit.ViT(config, seed=0)
+        logits = model.forward(minivit.asarray(x))
+        _, dlogits = minivit.cross_entropy(logits, minivit.asarray(labels))
+        model.zero_grad()
+        model.backward(dlogits)
+        out.append((minivit.to_numpy(logits), {k: minivit.to_numpy(g) for k, g in model.grads.items()}))
+    backend.set_fast_kernels(True)
+    minivit.set_backend("numpy")
+    assert rel(out[1][0], out[0][0]) < 1e-5
+    for k in out[0][1]:
+        assert rel(out[1][1][k], out[0][1][k]) < 1e-4, k
