@@ -309,7 +309,7 @@ class ViT(Layer):
 
     @classmethod
     def from_pretrained(cls, path, num_classes=None, img_size=None, num_heads=None, gelu=None, seed=0,
-                        dtype="float32", checkpoint_img_size=None, verbose=True):
+                        dtype="float32", checkpoint_img_size=None, verbose=True, new_head=False):
         """A ViT with the weights of a published checkpoint, in one call: the original JAX release's
         .npz, timm's .safetensors / .pth / .bin, or a minivit.checkpoint .npz (told by the content).
 
@@ -321,6 +321,7 @@ class ViT(Layer):
         gelu: "erf" or "tanh"; by default "tanh" for the JAX release (Flax's GELU), "erf" for timm.
         checkpoint_img_size: the resolution the checkpoint was trained at, needed only for a
             non-square patch grid (a square one is read from the position embeddings' length).
+        new_head: True zero-initialises the head even when num_classes is the checkpoint's own.
         Example: ViT.from_pretrained("ViT-B_16.npz", num_classes=10, img_size=384) for CIFAR-10.
         """
         from .convert import load_checkpoint_file, resize_state_dict  # convert builds on this file
@@ -328,8 +329,11 @@ class ViT(Layer):
                                              gelu=gelu, num_classes=num_classes, verbose=verbose)
         if img_size is not None:
             config, state = resize_state_dict(config, state, img_size)
-        model = cls(config, seed=seed, dtype=dtype)
-        return model.load_state_dict(state)
+        model = cls(config, seed=seed, dtype=dtype).load_state_dict(state)
+        if new_head:
+            for p in model.head.params.values():
+                p[...] = 0                           # the paper's zero-initialised fine-tuning head
+        return model
 
     def resize_pos_embed(self, img_size):
         """A NEW model for images of img_size: the same weights, with the position embeddings of the

@@ -116,6 +116,8 @@ class TrainConfig:
     eval_batch_size: int = 500
     train_subset: int = None          # use only the first N training images (quick runs, data-size studies)
     init: str = None                  # start from pretrained weights (minivit.ViT.from_pretrained)
+    new_head: bool = True             # with init: a zero-initialised head, as the paper fine-tunes
+    init_gelu: str = None             # with init: "erf" | "tanh" (default: the checkpoint kind's own)
     download: bool = False            # cifar10: download it when missing
     fallback: bool = False            # cifar10 unavailable: fall back to Fashion-MNIST, else shapes
     progress: bool = True             # show the tqdm progress bar
@@ -254,7 +256,7 @@ def build_model(cfg, data):
         if not hasattr(ViT, "from_pretrained"):
             raise RuntimeError("--init needs minivit.ViT.from_pretrained, which this version lacks")
         model = ViT.from_pretrained(cfg.init, num_classes=data.num_classes, img_size=overrides["img_size"],
-                                    seed=cfg.seed, dtype=cfg.dtype)
+                                    gelu=cfg.init_gelu, seed=cfg.seed, dtype=cfg.dtype, new_head=cfg.new_head)
         return model
     return create_model(cfg.model, seed=cfg.seed, dtype=cfg.dtype, **overrides)
 
@@ -551,6 +553,9 @@ def _parser():
     p.add_argument("--out", default="runs/default", help="folder for metrics, checkpoint and plots")
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.npz")
     p.add_argument("--init", help="start from pretrained weights (.npz or .safetensors)")
+    p.add_argument("--keep-head", dest="new_head", action="store_false",
+                   help="with --init: keep the checkpoint's head instead of a new zero-initialised one")
+    p.add_argument("--init-gelu", choices=("erf", "tanh"), help="with --init: the GELU the checkpoint was trained with")
     p.add_argument("--download", action="store_true", help="cifar10: download it when missing")
     p.add_argument("--fallback", action="store_true", help="cifar10 unavailable: use Fashion-MNIST or shapes")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
