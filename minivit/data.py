@@ -435,13 +435,15 @@ def resize_images(x, img_size):
 
 SHAPES_CLASSES = ["circle", "square", "triangle", "ring", "cross", "horizontal bar", "vertical bar",
                   "diamond", "two dots", "L-shape"]
-# How hard `shapes` is. Tuned so that the "demo" recipe of minivit.train (4 blocks of width 64, patch 4,
-# 4 epochs of 10000 images) ends above 90% test accuracy, having passed ~45% after its first epoch.
-# Students: make it harder (more noise, texture, rotation, smaller shapes) and watch the epochs it takes.
+# How hard `shapes` is. Tuned on the "demo" recipe of minivit.train (4 blocks of width 64, patch 4,
+# AdamW 2e-3, batch 128, 10000 images per epoch; measured with a PyTorch copy of that model): about 55%
+# test accuracy after epoch 1, 80-87% after 2, 89-92% after 4, 92% after 6. The hardest pair is cross
+# against L-shape. Students: make it harder (more noise, texture, rotation, smaller shapes) and watch
+# how many more epochs it takes.
 SHAPES_RADIUS = (0.22, 0.40)  # the shape's size ("radius"), as a fraction of the image side
-SHAPES_ROTATION = 0.10  # largest rotation, radians (about 6 degrees)
-SHAPES_TEXTURE = 0.30  # strength of the background's sine texture and gradient (0: a flat colour)
-SHAPES_NOISE = 10.0  # largest per-image std of the per-pixel noise, in grey levels
+SHAPES_ROTATION = 0.08  # largest rotation, radians (about 5 degrees)
+SHAPES_TEXTURE = 0.25  # strength of the background's sine texture and gradient (0: a flat colour)
+SHAPES_NOISE = 8.0  # largest per-image std of the per-pixel noise, in grey levels
 
 
 def _shape_mask(k, u, v):
