@@ -37,9 +37,9 @@ test-parity: $(PARITY_VENV)/.installed
 train: $(VENV)/.installed
 	$(PY) -m minivit.train --dataset cifar10 --download --fallback --out runs/cifar10 $(ARGS)
 
-## make demo: the offline quick run on the procedural `shapes` data set (about two minutes on 2 cores)
+## make demo: the offline quick run on the procedural `shapes` data set (about three minutes on 2 cores)
 demo: $(VENV)/.installed
-	$(PY) -m minivit.train --dataset shapes --preset demo --out runs/demo $(ARGS)
+	$(PY) -m minivit.train --dataset shapes --recipe demo --out runs/demo $(ARGS)
 
 ## make lab: Jupyter in the notebooks folder, with the project's environment
 lab: $(VENV)/.installed

@@ -57,8 +57,8 @@ RECIPES = {
                         batch_size=128, lr=3e-3, weight_decay=0.05, warmup_epochs=0.3, label_smoothing=0.0,
                         optimizer="adamw", augment="none"),
     # the offline demo on `shapes`: a small model, a few epochs, a couple of minutes on two CPU cores
-    "demo": dict(model="vit_cifar_tiny", embed_dim=64, depth=4, num_heads=4, mlp_ratio=2.0, epochs=6,
-                 batch_size=128, lr=2e-3, weight_decay=0.05, warmup_epochs=0.5, label_smoothing=0.0,
+    "demo": dict(model="vit_cifar_tiny", embed_dim=64, depth=4, num_heads=4, mlp_ratio=2.0, epochs=8,
+                 batch_size=128, lr=3e-3, weight_decay=0.05, warmup_epochs=1, label_smoothing=0.0,
                  optimizer="adamw", augment="none"),
     # the paper's fine-tuning (App. B.1.1): SGD momentum 0.9, no decay, clip at norm 1, batch 512,
     # 500 warm-up steps then cosine, resolution 384 (use with --init PATH)
