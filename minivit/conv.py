@@ -24,7 +24,7 @@ import math
 from dataclasses import dataclass
 
 from .backend import asarray, backend_of, get_array_module, host_rng, is_array, to_numpy
-from .layers import Layer, Linear, ones, zeros
+from .layers import Classifier, Layer, Linear, ones, zeros
 
 # --------------------------------------------------------------------------------------------------
 # Convolution as one matrix multiply: im2col gathers every window into a row
@@ -444,7 +444,7 @@ class ResNetConfig:
         return d
 
 
-class ResNet(Layer):
+class ResNet(Classifier):
     """The CNN baseline: stem (3x3 conv, norm, ReLU) -> stages of BasicBlocks -> GAP -> linear head.
     ``forward(x)`` maps images (B, H, W, C) to logits (B, K); ``backward(dlogits)`` returns dx."""
 
@@ -469,32 +469,6 @@ class ResNet(Layer):
     def stages(self):
         """(name, layer) in forward order; backward runs them in reverse."""
         return [("stem", self.stem)] + self.blocks + [("pool", self.pool), ("head", self.head)]
-
-    def forward(self, x):
-        """x: float images (B, H, W, C), channels last. Returns logits (B, K)."""
-        self.check_input(x)
-        for _, layer in self.stages():
-            x = layer.forward(x)           # (B, H', W', C') ... (B, C_last) -> (B, K)
-        return x
-
-    def backward(self, dlogits):
-        """dlogits: (B, K). Returns dx (B, H, W, C)."""
-        K = self.config.num_classes
-        if not is_array(dlogits) or dlogits.ndim != 2 or dlogits.shape[1] != K:
-            raise ValueError(f"dlogits must be an array (B, {K}), got {getattr(dlogits, 'shape', type(dlogits))}")
-        dx = dlogits
-        for _, layer in reversed(self.stages()):
-            dx = layer.backward(dx)
-        return dx
-
-    __call__ = forward
-
-    @property
-    def backend(self):
-        return backend_of(self.params["head.weight"])
-
-    def num_params(self):
-        return sum(int(p.size) for p in self.params.values())
 
     def check_input(self, x):
         C = self.config.in_chans

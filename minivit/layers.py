@@ -105,6 +105,41 @@ class Layer:
         return ""
 
 
+class Classifier(Layer):
+    """A model made of named stages run in order, ending in logits: the ViT and the ResNet baseline.
+    A subclass defines ``stages()`` -> [(name, layer)], ``check_input(x)``, ``config.num_classes`` and
+    a ``head``; forward runs the stages in order and backward runs them in reverse."""
+
+    def forward(self, x):
+        """x: float images (B, H, W, C), channels last. Returns logits (B, K)."""
+        self.check_input(x)
+        for _, layer in self.stages():
+            x = layer.forward(x)
+        return x
+
+    def backward(self, dlogits):
+        """dlogits: (B, K), e.g. from minivit.cross_entropy. Returns dx (B, H, W, C)."""
+        K = self.config.num_classes
+        if not hasattr(dlogits, "ndim") or dlogits.ndim != 2 or dlogits.shape[1] != K:
+            raise ValueError(f"dlogits must be an array (B, {K}), got {getattr(dlogits, 'shape', type(dlogits))}")
+        dx = dlogits
+        for _, layer in reversed(self.stages()):
+            dx = layer.backward(dx)
+        return dx
+
+    def __call__(self, x):
+        return self.forward(x)
+
+    def num_params(self):
+        """The number of parameters, counted from the allocated arrays."""
+        return sum(int(p.size) for p in self.params.values())
+
+    @property
+    def backend(self):
+        """'numpy' or 'cupy': where the parameters live."""
+        return backend_of(self.params["head.weight"])   # every classifier has a head
+
+
 class Linear(Layer):
     """y = x W + b, with W stored (in_features, out_features) so the code reads as the math."""
 

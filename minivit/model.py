@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from . import functional as F
 from .backend import asarray, backend_of, host_rng, is_array, to_numpy
 from .conv import ConvStem
-from .layers import (POS_EMBED_KINDS, Block, Dropout, GridPosEmbed, Layer, LayerNorm, Linear, PatchEmbed, Pool,
+from .layers import (POS_EMBED_KINDS, Block, Classifier, Dropout, GridPosEmbed, Layer, LayerNorm, Linear, PatchEmbed, Pool,
                      PosEmbed, PreLogits)
 
 DTYPES = ("float32", "float64")
@@ -169,7 +169,7 @@ class ViTConfig:
         return cls(**d)
 
 
-class ViT(Layer):
+class ViT(Classifier):
     """The Vision Transformer. ``forward(x)`` maps images (B, H, W, C) to logits (B, K);
     ``backward(dlogits)`` returns dx (B, H, W, C) and adds every parameter's gradient into ``grads``."""
 
@@ -222,33 +222,6 @@ class ViT(Layer):
         if self.pre_logits is not None:
             stages.append(("pre_logits", self.pre_logits))
         return stages + [("head", self.head)]
-
-    def forward(self, x):
-        """x: float images (B, H, W, C), channels last. Returns logits (B, K)."""
-        self.check_input(x)
-        for _, layer in self.stages():
-            x = layer.forward(x)
-        return x
-
-    def backward(self, dlogits):
-        """dlogits: (B, K), e.g. from minivit.cross_entropy. Returns dx (B, H, W, C)."""
-        K = self.config.num_classes
-        if not is_array(dlogits) or dlogits.ndim != 2 or dlogits.shape[1] != K:
-            raise ValueError(f"dlogits must be an array (B, {K}), got {getattr(dlogits, 'shape', type(dlogits))}")
-        dx = dlogits
-        for _, layer in reversed(self.stages()):
-            dx = layer.backward(dx)
-        return dx
-
-    __call__ = forward
-
-    @property
-    def backend(self):
-        """'numpy' or 'cupy': where the parameters live."""
-        return backend_of(self.params["head.weight"])   # every model has a head (not every one a pos_embed)
-
-    def num_params(self):
-        return sum(int(p.size) for p in self.params.values())
 
     def check_input(self, x):
         """Refuse, before any work, what a student is likely to get wrong, saying what was expected."""
