@@ -33,7 +33,8 @@ from minivit.conv import ResNet, ResNetConfig
 from minivit.data import SHAPES_CLASSES, Dataset, channel_mean_std, load_dataset, make_shapes
 from minivit.functional import cross_entropy
 from minivit.model import ViT, ViTConfig
-from minivit.optim import AdamW, WarmupCosine, clip_grad_norm
+from minivit.optim import AdamW, WarmupCosine, clip_grad_norm, default_no_decay
+from minivit.train import evaluate
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -155,22 +156,6 @@ def describe(model):
 # --------------------------------------------------------------------------------------------------
 
 
-def no_decay_names(model):
-    """No weight decay for 1-D arrays (biases, norm weights), the class token and position embeddings."""
-    return {k for k, p in model.params.items() if p.ndim <= 1 or "cls_token" in k or "pos_embed" in k}
-
-
-def evaluate(model, x, y, mean, std, batch_size=500):
-    """Test accuracy in eval mode. x: uint8 (N, H, W, C) on the model's backend; y: (N,)."""
-    model.eval()
-    correct = 0
-    for start in range(0, x.shape[0], batch_size):
-        logits = model.forward(A.normalize(x[start:start + batch_size], mean, std, model.dtype))  # (b, K)
-        correct += int((logits.argmax(-1) == y[start:start + batch_size]).sum())
-    model.train()
-    return correct / x.shape[0]
-
-
 def fit(model, data, steps, batch_size, lr, weight_decay=0.05, warmup=0.1, augment="none", seed=0,
         num_evals=4, clip=1.0, label_smoothing=0.0):
     """Train model on data.x_train for `steps` AdamW steps of batch_size images (warm-up for the first
@@ -182,7 +167,7 @@ def fit(model, data, steps, batch_size, lr, weight_decay=0.05, warmup=0.1, augme
     dev = model.backend
     x_train, y_train = backend.asarray(data.x_train, backend=dev), backend.asarray(data.y_train, backend=dev)
     x_test, y_test = backend.asarray(data.x_test, backend=dev), backend.asarray(data.y_test, backend=dev)
-    opt = AdamW(model, lr, weight_decay=weight_decay, no_decay=no_decay_names(model))
+    opt = AdamW(model, lr, weight_decay=weight_decay, no_decay=default_no_decay(model.params))
     schedule = WarmupCosine(lr, steps, warmup_steps=round(warmup * steps))
     rng = np.random.default_rng([seed, 7])       # batch order and augmentation
     eval_at = sorted({max(1, round(steps * (i + 1) / num_evals)) for i in range(num_evals)})
@@ -211,7 +196,7 @@ def fit(model, data, steps, batch_size, lr, weight_decay=0.05, warmup=0.1, augme
             t_eval = time.perf_counter()
             curve.append({"step": step, "epoch": round(step * batch_size / n, 3),
                           "train_loss": float(np.mean(losses[-max(1, steps // 10):])),
-                          "test_acc": evaluate(model, x_test, y_test, data.mean, data.std)})
+                          "test_acc": evaluate(model, x_test, y_test, data.mean, data.std, model.dtype)[1]})
             eval_seconds += time.perf_counter() - t_eval
     seconds = time.perf_counter() - start
     accs = [r["test_acc"] for r in curve if r.get("test_acc") is not None]
