@@ -18,7 +18,8 @@ of the device. The CPU time of the process is recorded too (a steadier number wh
 
 Threads: PyTorch gets as many threads as NumPy's BLAS uses (torch.set_num_threads), or --threads N sets
 both. The BLAS is read with threadpoolctl when it is installed, else straight from OpenBLAS's own
-functions (found in /proc/self/maps). minivit's elementwise kernels use MINIVIT_NUM_THREADS (default 1).
+functions (found in /proc/self/maps). minivit's Numba kernels (LayerNorm, GELU, softmax, attention,
+AdamW) use MINIVIT_NUM_THREADS (default: all cores); --threads sets it too.
 
 FLOPs and MFU. The FLOPs of a step are 3x those of the forward (the backward computes two products,
 dx and dW, for each one in the forward). The forward is counted from the config, multiply-add = 2 FLOPs:
@@ -169,6 +170,16 @@ def git_revision():
         return None
 
 
+def _numba_layer():
+    """The threading layer Numba chose (known once a parallel kernel has run), or what it will use."""
+    if not kernels.HAVE_NUMBA:
+        return None
+    try:
+        return kernels.numba.threading_layer()
+    except ValueError:  # no parallel kernel has run yet
+        return kernels.numba.config.THREADING_LAYER
+
+
 def machine_info(torch):
     import scipy
     info, blas_how = blas_info()
@@ -178,11 +189,13 @@ def machine_info(torch):
         load_average=list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
         platform=platform.platform(), python=platform.python_version(),
         numpy=np.__version__, scipy=scipy.__version__, torch=torch.__version__,
+        numba=getattr(kernels.numba, "__version__", None), numba_threading_layer=_numba_layer(),
         minivit_revision=git_revision(), blas=info, blas_read_with=blas_how,
         torch_threads=torch.get_num_threads(), minivit_kernel_threads=kernels.num_threads(),
         fast_kernels=backend.fast_kernels_enabled(),
         env={k: v for k, v in os.environ.items()
-             if k.startswith(("OPENBLAS", "OMP_", "MKL_", "MINIVIT_", "CUPY_", "NVIDIA_TF32", "GOTO", "BLIS"))},
+             if k.startswith(("OPENBLAS", "OMP_", "MKL_", "MINIVIT_", "NUMBA_", "CUPY_", "NVIDIA_TF32", "GOTO",
+                              "BLIS"))},
     )
     try:
         import timm
@@ -578,6 +591,7 @@ def main(argv=None):
 
     if args.threads:
         set_blas_threads(args.threads)
+        os.environ["MINIVIT_NUM_THREADS"] = str(args.threads)  # minivit's Numba kernels, the same count
     torch.set_num_threads(args.threads or blas_threads())
     gpu_ok = backend.gpu_available() and torch.cuda.is_available()
     if args.device == "gpu" and not gpu_ok:

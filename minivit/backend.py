@@ -116,21 +116,19 @@ def host_rng(seed):
 
 
 def erf(x):
-    """The error function, elementwise, on x's own device (cupyx.scipy.special on the GPU; on the CPU
-    scipy.special, or for float32 with the fast kernels on, minivit.kernels.erf: within 1e-7, 4x faster)."""
+    """The error function, elementwise, on x's own device (cupyx.scipy.special on the GPU, scipy.special
+    on the CPU). The float32 fast path of GELU has its own erf (minivit/kernels.py)."""
     if _cupy is not None and isinstance(x, _cupy.ndarray):
         import cupyx.scipy.special
 
         return cupyx.scipy.special.erf(x)
-    if fast_kernels(x) is not None:
-        return fast_kernels(x).erf(x)
     import scipy.special
 
     return scipy.special.erf(x)
 
 
-# The fast paths (minivit/kernels.py): the same math as functional.py, fused or computed in cache-sized
-# blocks, for float32 arrays. float64 always runs the reference lines.
+# The fast paths (minivit/kernels.py): the same math as functional.py, fused into one pass (Numba on the
+# CPU, CUDA kernels through CuPy on the GPU), for float32 arrays. float64 always runs the reference lines.
 _fast = None  # True | False; None until first asked (then read from MINIVIT_FAST_KERNELS, default on)
 
 
@@ -154,12 +152,15 @@ def fast_kernels_enabled():
 
 
 def fast_kernels(x):
-    """The module of fast paths (minivit.kernels) when x is a float32 array and they are on, else None.
-    functional.py asks this at the top of each pair that has a fast version."""
+    """The module of fast paths (minivit.kernels) when x is a float32 array and they are on, else None
+    (also for a NumPy array when Numba is not installed). functional.py asks this at the top of each
+    pair that has a fast version."""
     if getattr(x, "dtype", None) != numpy.float32 or not fast_kernels_enabled():
         return None
     from . import kernels
 
+    if not kernels.HAVE_NUMBA and isinstance(x, numpy.ndarray):
+        return None
     return kernels
 
 

@@ -15,10 +15,11 @@ Letters used in every shape comment (the paper's and timm's names):
 No numpy import here: ``xp = get_array_module(x)`` is numpy or cupy, whichever x lives in.
 
 Fast paths. LayerNorm, GELU and softmax are a handful of elementwise passes each; for float32 arrays
-they run from minivit/kernels.py instead: the same math in cache-sized blocks on the CPU, one fused
-kernel on the GPU (``fast = fast_kernels(x)`` at the top of those pairs; tests/test_fast_paths.py checks
-them against the lines here). float64, and everything with ``minivit.backend.set_fast_kernels(False)``,
-runs the lines written here.
+they run from minivit/kernels.py instead: the same math fused into one pass (a Numba loop on the CPU, a
+CUDA kernel on the GPU). On the CPU attention is fused too: it keeps each row's log-sum-exp instead of
+the (B, nh, N, N) weights and recomputes them in the backward (``fast = fast_kernels(x)`` at the top of
+those pairs; tests/test_fast_paths.py checks them against the lines here). float64, and everything with
+``minivit.backend.set_fast_kernels(False)``, runs the lines written here.
 """
 
 import math
@@ -228,6 +229,9 @@ def merge_heads(dq, dk, dv):
 def attention_forward(qkv, num_heads):
     """Scaled dot-product attention of every head: softmax(q k^T / sqrt(hs)) v, heads concatenated.
     qkv: (B, N, 3D) from the packed projection. Returns out (B, N, D) and the cache."""
+    fast = fast_kernels(qkv)
+    if fast and fast.cpu_attention(qkv):                      # float32 on the CPU: fused, keeps no N x N
+        return fast.attention_forward(qkv, num_heads)         # array (kernels.py; the same numbers)
     B, N, D3 = qkv.shape
     D = D3 // 3
     q, k, v = split_heads(qkv, num_heads)                     # each (B, nh, N, hs)
@@ -241,6 +245,9 @@ def attention_forward(qkv, num_heads):
 
 def attention_backward(dout, cache):
     """Backward of attention_forward: dout (B, N, D) -> dqkv (B, N, 3D)."""
+    if len(cache) == 3:                                       # the fused forward's (qkv, lse, num_heads)
+        from . import kernels
+        return kernels.attention_backward(dout, cache)
     q, k, v, attn, scale = cache
     B, nh, N, hs = q.shape
     dctx = dout.reshape(B, N, nh, hs).transpose(0, 2, 1, 3)   # (B, nh, N, hs)
@@ -252,6 +259,19 @@ def attention_backward(dout, cache):
     dk = dscores.swapaxes(-1, -2) @ q                         # (B, nh, N, hs)
     dk *= scale
     return merge_heads(dq, dk, dv)                            # (B, N, 3D)
+
+
+def attention_weights(cache):
+    """The attention weights softmax(q k^T / sqrt(hs)), (B, nh, N, N), of the forward that made cache:
+    kept by the reference forward, recomputed for the fused one (which keeps only each row's log-sum-exp:
+    p_ij = exp(s_ij - lse_i))."""
+    if len(cache) == 5:
+        return cache[3]
+    qkv, lse, num_heads = cache
+    xp = get_array_module(qkv)
+    q, k, _ = split_heads(qkv, num_heads)                     # each (B, nh, N, hs)
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    return xp.exp((q * scale) @ k.swapaxes(-1, -2) - lse[..., None])  # (B, nh, N, N)
 
 
 # --------------------------------------------------------------------------------------------------

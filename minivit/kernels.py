@@ -7,18 +7,18 @@ float32 tolerance. ``minivit.backend.set_fast_kernels(False)`` (or ``MINIVIT_FAS
 the fast paths off, e.g. to step through the reference code in a debugger.
 
 Why the reference is slow: a line such as ``rstd * (dxhat - dxhat.mean(-1) - xhat * (dxhat * xhat).mean(-1))``
-is six passes over a (B, N, D) array, each allocating a new one. On the CPU every pass reads and writes
-main memory; on the GPU every operation is a kernel launch (~10 us, more than the work itself in a small
-model). What this module does instead:
+is six passes over a (B, N, D) array, each allocating a new one and each on one core. On the GPU every
+operation is a kernel launch (~10 us, more than the work itself in a small model). What this module
+does instead is one pass per forward or backward ("fusion"):
 
-- NumPy: the rows are processed in blocks of about 64K values (256 KB, so a block and its temporaries
-  stay in the CPU's L2 cache), written into preallocated outputs with ``out=``: the same operations, on
-  cached data, with no big temporaries (the best of 16K...256K on this machine's 2 MB L2). GELU's erf
-  is a rational approximation (scipy's erf costs ~10 ns a value, several times the matrix product that
-  feeds GELU). ``MINIVIT_NUM_THREADS`` > 1 shares the
-  blocks among that many threads (NumPy releases the GIL inside each operation). Off by default: on this
-  2-core machine, busy with other work, it gained at best 1.3x on GELU and lost as often (each block is
-  ~20 short operations, and every one hands the GIL over).
+- CPU: each kernel is a plain loop, one value or one row at a time, that Numba compiles to machine code
+  on first use (cached on disk in minivit/__pycache__, so later runs start at once). ``prange`` shares
+  the outer loop among the cores (MINIVIT_NUM_THREADS, default: all of them) and the inner loops run
+  as SIMD vectors. exp and erf are written out as polynomials (``_exp32``, ``_erf32``) because the C
+  library's versions are called one value at a time, which stops the loop from being vectorised. Rows
+  of a reduction that crosses rows (LayerNorm's dweight) are summed in fixed groups, then the groups in
+  order, so every result is the same to the bit whatever the number of threads.
+  Without Numba installed the CPU runs the reference lines (correct, several times slower).
 - CuPy: one fused kernel per forward or backward: a ``cupy.ElementwiseKernel`` for GELU, a ``RawKernel``
   with one thread block per row for the row-wise LayerNorm and softmax. Compiled on first use.
 
@@ -28,9 +28,15 @@ Only this module and backend.py touch CuPy, and this one only ever sees CuPy arr
 
 import math
 import os
-import threading
 
 import numpy
+
+try:
+    import numba
+except ImportError:  # the CPU fast paths are off (backend.fast_kernels returns None for NumPy arrays)
+    numba = None
+
+HAVE_NUMBA = numba is not None
 
 _INV_SQRT_2 = 1.0 / math.sqrt(2.0)
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
@@ -41,279 +47,429 @@ def _is_cupy(x):
     return type(x).__module__.startswith("cupy")
 
 
+class AttentionCache(tuple):
+    """What the fused attention forward keeps: (qkv (B, N, 3D), lse (B, nh, N), num_heads); the attention
+    weights are recomputed from it (functional.attention_weights)."""
+    __slots__ = ()
+
+    def __new__(cls, qkv, lse, num_heads):
+        return super().__new__(cls, (qkv, lse, num_heads))
+
+
 # ==================================================================================================
-# NumPy (CPU)
+# CPU: Numba kernels
 # ==================================================================================================
 
-BLOCK_VALUES = 65536  # values per block: 256 KB of float32; a block and its temporaries fit in L2 (2 MB)
-_pool = None
-_local = threading.local()  # per-thread scratch blocks
+# Fast-math flags that let the compiler reorder sums (so they vectorise) and use FMA, but NOT assume
+# "no NaN, no inf": a NaN must still come out as a NaN, so that training notices it and stops.
+_FASTMATH = {"contract", "arcp", "reassoc", "afn", "nsz"}
+
+if HAVE_NUMBA:
+    # Numba's own thread pool ("workqueue"): its threads sleep between kernels. With the OpenMP layer
+    # they spin-wait instead, and on a machine with few cores they fight OpenBLAS's threads (which also
+    # spin): a training step measured 4x slower here. NUMBA_THREADING_LAYER still chooses, if set.
+    # (The workqueue layer must not be entered from two Python threads at once; minivit never does.)
+    if "NUMBA_THREADING_LAYER" not in os.environ:
+        numba.config.THREADING_LAYER = "workqueue"
+    prange = numba.prange
+    _kernel = numba.njit(parallel=True, fastmath=_FASTMATH, cache=True)     # a loop shared among cores
+    _serial = numba.njit(fastmath=_FASTMATH, cache=True)                    # a small loop, one core
+    _inline = numba.njit(inline="always", fastmath=_FASTMATH, cache=True)   # a helper, pasted in place
+else:  # plain Python stand-ins, so the module still imports (these are never called without Numba)
+    prange = range
+    _kernel = _serial = _inline = lambda fn: fn
+
+f32 = numpy.float32
+_threads_set = None
 
 
 def num_threads():
-    """Threads for the CPU kernels: MINIVIT_NUM_THREADS, default 1 (BLAS has threads of its own)."""
-    value = os.environ.get("MINIVIT_NUM_THREADS", "1")
+    """Threads for the CPU kernels: MINIVIT_NUM_THREADS, default all the cores Numba sees."""
+    default = numba.config.NUMBA_NUM_THREADS if HAVE_NUMBA else 1
+    value = os.environ.get("MINIVIT_NUM_THREADS", "")
+    if value.strip() == "":
+        return default
     try:
         n = int(value)
     except ValueError:
         raise ValueError(f"MINIVIT_NUM_THREADS must be a positive integer, got {value!r}") from None
     if n < 1:
         raise ValueError(f"MINIVIT_NUM_THREADS must be a positive integer, got {value!r}")
-    return n
+    return min(n, default)
 
 
-def _scratch(name, n, dtype):
-    """A scratch array of n values, reused by this thread (one per name and dtype)."""
-    key = (name, numpy.dtype(dtype).char)
-    buf = getattr(_local, "bufs", None)
-    if buf is None:
-        buf = _local.bufs = {}
-    a = buf.get(key)
-    if a is None or a.size < n:
-        a = buf[key] = numpy.empty(max(n, BLOCK_VALUES), dtype)
-    return a[:n]
-
-
-def _for_blocks(n_rows, row_len, task):
-    """Call task(i, start, stop) for consecutive ranges of rows covering [0, n_rows), block i holding
-    about BLOCK_VALUES values; on this thread in order, or shared among num_threads() threads (each
-    takes a contiguous run of blocks). Returns the number of blocks."""
-    global _pool
-    rows = max(1, BLOCK_VALUES // max(row_len, 1))
-    n_blocks = -(-n_rows // rows)
-    threads = min(num_threads(), n_blocks)
-
-    def run(first, last):
-        for i in range(first, last):
-            task(i, i * rows, min((i + 1) * rows, n_rows))
-
-    if threads <= 1:
-        run(0, n_blocks)
-        return n_blocks
-    if _pool is None or _pool._max_workers < threads:
-        from concurrent.futures import ThreadPoolExecutor
-        _pool = ThreadPoolExecutor(threads, thread_name_prefix="minivit-kernels")
-    per = -(-n_blocks // threads)
-    futures = [_pool.submit(run, f, min(f + per, n_blocks)) for f in range(0, n_blocks, per)]
-    for f in futures:
-        f.result()
-    return n_blocks
+def _use_threads():
+    """Apply num_threads() to Numba (cheap: only when it changed)."""
+    global _threads_set
+    n = num_threads()
+    if n != _threads_set:
+        numba.set_num_threads(n)
+        _threads_set = n
 
 
 def _rows(x):
     """x as a C-contiguous (rows, last axis) array: a view when x is contiguous, else a copy."""
-    return numpy.ascontiguousarray(x).reshape(-1, x.shape[-1])
+    return numpy.ascontiguousarray(x).reshape(math.prod(x.shape[:-1]), x.shape[-1])
 
 
-# ---- erf ------------------------------------------------------------------------------------------
+def _flat(x):
+    return numpy.ascontiguousarray(x).reshape(-1)
+
+
+# ---- exp and erf in float32, as polynomials the compiler can vectorise ------------------------------
+# exp(x) = 2^k exp(r), k = round(x / ln 2), r = x - k ln 2 in [-ln2/2, ln2/2] (ln 2 in two parts, so
+# k ln 2 is exact); exp(r) by its degree-7 Taylor-like polynomial (Cephes' expf coefficients); 2^k
+# made directly as the bits of a float32 (exponent field k + 127). Within 1 unit in the last place
+# (measured 6e-8 relative) on [-87, 88]; below that it returns ~1e-38 instead of 0 (no denormals).
+_LOG2E, _LN2_HI, _LN2_LO = f32(1.4426950408889634), f32(0.693359375), f32(-2.12194440e-4)
+_EXP_C = tuple(f32(c) for c in (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3,
+                                4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1))
+_E0, _E1, _E2, _E3, _E4, _E5 = _EXP_C
+
+
+@_inline
+def _exp32(x):
+    x = min(max(x, f32(-87.3)), f32(88.7))                      # the float32 range (NaN passes through)
+    k = math.floor(x * _LOG2E + f32(0.5))                       # nearest integer to x / ln 2
+    r = x - k * _LN2_HI - k * _LN2_LO                            # |r| <= ln2 / 2
+    p = ((((_E0 * r + _E1) * r + _E2) * r + _E3) * r + _E4) * r + _E5
+    p = p * r * r + r + f32(1.0)                                 # exp(r)
+    return p * numpy.int32((numpy.int32(k) + 127) << 23).view(numpy.float32)  # * 2^k
+
+
 # erf(z) ~ z P(z^2) / Q(z^2) on [-4, 4] (the rational approximation used by Eigen and XLA); beyond 4,
-# erf = +-1 to float32 precision. The approximation's own error is 6.5e-8. Evaluated in float32, the
-# rounding of the Horner steps adds up to 4e-7 more, so erf() evaluates each block in float64 and rounds
-# once at the end: within 1e-7 of the exact erf, and ~4x faster than scipy's erf (which also works in
-# float64, one value at a time). GELU evaluates it in float32 instead, twice as fast again: there its
-# error, 2e-7 in Phi(x), is far below the rounding of the float32 matrix product that feeds it.
-_ERF_P = (-2.72614225801306e-10, 2.77068142495902e-08, -2.10102402082508e-06, -5.69250639462346e-05,
-          -7.34990630326855e-04, -2.95459980854025e-03, -1.60960333262415e-02)  # of (z^2)^6, ..., (z^2)^0
-_ERF_Q = (-1.45660718464996e-05, -2.13374055278905e-04, -1.68282697438203e-03, -7.37332916720468e-03,
-          -1.42647390514189e-02)                                                 # of (z^2)^4, ..., (z^2)^0
+# erf = +-1 to float32 precision. Its own error is 6.5e-8; evaluated in float32 it is within 4.2e-7 of
+# erf (measured), so GELU's Phi(x) is within 2.1e-7: far below the rounding of the float32 matrix
+# product that feeds GELU.
+_ERF_P = tuple(f32(c) for c in (-2.72614225801306e-10, 2.77068142495902e-08, -2.10102402082508e-06,
+                                -5.69250639462346e-05, -7.34990630326855e-04, -2.95459980854025e-03,
+                                -1.60960333262415e-02))           # of (z^2)^6, ..., (z^2)^0
+_ERF_Q = tuple(f32(c) for c in (-1.45660718464996e-05, -2.13374055278905e-04, -1.68282697438203e-03,
+                                -7.37332916720468e-03, -1.42647390514189e-02))  # of (z^2)^4 ... (z^2)^0
+_P0, _P1, _P2, _P3, _P4, _P5, _P6 = _ERF_P
+_Q0, _Q1, _Q2, _Q3, _Q4 = _ERF_Q
 
 
-def _erf_rational(z, out, z2, q):
-    """out = erf(z) for a block z (clipped in place), in z's dtype; z2, q: scratch blocks like z."""
-    numpy.clip(z, -4.0, 4.0, out=z)
-    numpy.multiply(z, z, out=z2)                             # z^2
-    numpy.multiply(z2, _ERF_P[0], out=out)
-    for c in _ERF_P[1:-1]:
-        out += c
-        out *= z2
-    out += _ERF_P[-1]                                        # P(z^2), by Horner's rule
-    out *= z                                                 # z P(z^2)
-    numpy.multiply(z2, _ERF_Q[0], out=q)
-    for c in _ERF_Q[1:-1]:
-        q += c
-        q *= z2
-    q += _ERF_Q[-1]                                          # Q(z^2)
-    out /= q
-    return out
-
-
-def erf(x):
-    """erf(x) for a float32 NumPy array, within 1e-7 of the exact value."""
-    if x.dtype != numpy.float32:
-        raise TypeError(f"kernels.erf is for float32 arrays, got {x.dtype} (use scipy.special.erf)")
-    flat = numpy.ascontiguousarray(x).reshape(-1)
-    out = numpy.empty_like(flat)
-
-    def task(i, s, e):
-        z, p, z2, q = (_scratch(k, e - s, numpy.float64) for k in "zpwq")
-        numpy.copyto(z, flat[s:e])                           # float32 -> float64
-        _erf_rational(z, p, z2, q)
-        numpy.copyto(out[s:e], p, casting="same_kind")      # rounded to float32 once
-
-    _for_blocks(flat.size, 1, task)
-    return out.reshape(x.shape)
+@_inline
+def _erf32(z):
+    z = min(max(z, f32(-4.0)), f32(4.0))
+    z2 = z * z
+    p = (((((_P0 * z2 + _P1) * z2 + _P2) * z2 + _P3) * z2 + _P4) * z2 + _P5) * z2 + _P6
+    q = (((_Q0 * z2 + _Q1) * z2 + _Q2) * z2 + _Q3) * z2 + _Q4
+    return z * p / q
 
 
 # ---- GELU -----------------------------------------------------------------------------------------
+# erf:  y = x Phi(x),   dx = dout (Phi(x) + x phi(x)),   Phi(x) = (1 + erf(x / sqrt 2)) / 2, phi = Phi'
+# tanh: y = (x / 2) (1 + t), t = tanh(u), u = sqrt(2/pi) (x + 0.044715 x^3), tanh(u) = 1 - 2 / (e^2u + 1)
 
-def _gelu_erf_block(x, dout, out, need_grad):
-    """Forward: out = x Phi(x). Backward (need_grad): out = dout (Phi(x) + x phi(x)).
-    Phi(x) = (1 + erf(x / sqrt 2)) / 2, phi(x) = exp(-x^2 / 2) / sqrt(2 pi). All float32."""
-    n = x.size
-    z, cdf, z2, q = (_scratch(k, n, numpy.float32) for k in "zpwq")
-    numpy.multiply(x, _INV_SQRT_2, out=z)                    # z = x / sqrt 2
-    if need_grad:
-        pdf = _scratch("e", n, numpy.float32)
-        numpy.multiply(z, z, out=pdf)
-        numpy.negative(pdf, out=pdf)
-        numpy.exp(pdf, out=pdf)                                # exp(-x^2 / 2), before z is clipped
-    _erf_rational(z, cdf, z2, q)
-    cdf += 1.0
-    cdf *= 0.5                                                 # Phi(x)
-    if not need_grad:
-        numpy.multiply(cdf, x, out=out)                        # x Phi(x)
-        return
-    pdf *= _INV_SQRT_2PI                                       # phi(x)
-    pdf *= x
-    cdf += pdf                                                 # Phi(x) + x phi(x)
-    numpy.multiply(cdf, dout, out=out)
+_C_INV_SQRT_2, _C_INV_SQRT_2PI, _C_SQRT_2_OVER_PI = f32(_INV_SQRT_2), f32(_INV_SQRT_2PI), f32(_SQRT_2_OVER_PI)
 
 
-def _gelu_tanh_block(x, dout, out, need_grad):
-    """The tanh approximation, in float32: t = tanh(sqrt(2/pi) (x + 0.044715 x^3))."""
-    n = x.size
-    t, u = _scratch("t", n, numpy.float32), _scratch("u", n, numpy.float32)
-    numpy.multiply(x, x, out=u)                                # x^2
-    numpy.multiply(u, 0.044715, out=t)
-    t += 1.0
-    t *= x
-    t *= _SQRT_2_OVER_PI
-    numpy.tanh(t, out=t)                                       # t
-    if not need_grad:
-        t += 1.0
-        t *= x
-        numpy.multiply(t, 0.5, out=out)                        # 0.5 x (1 + t)
-        return
-    u *= 3 * 0.044715
-    u += 1.0
-    u *= _SQRT_2_OVER_PI                                       # sqrt(2/pi) (1 + 3 * 0.044715 x^2)
-    numpy.multiply(t, t, out=out)
-    numpy.subtract(1.0, out, out=out)                          # 1 - t^2
-    out *= u
-    out *= x                                                   # x dt/dx
-    out += t
-    out += 1.0
-    out *= 0.5                                                 # 0.5 (1 + t) + 0.5 x dt/dx
-    out *= dout
+@_kernel
+def _gelu_erf_fwd(x, y):  # x, y: (n,)
+    for i in prange(x.size):
+        y[i] = x[i] * f32(0.5) * (f32(1.0) + _erf32(x[i] * _C_INV_SQRT_2))
+
+
+@_kernel
+def _gelu_erf_bwd(x, dout, dx):  # (n,) each
+    for i in prange(x.size):
+        v = x[i]
+        cdf = f32(0.5) * (f32(1.0) + _erf32(v * _C_INV_SQRT_2))           # Phi(x)
+        pdf = _C_INV_SQRT_2PI * _exp32(f32(-0.5) * v * v)                  # phi(x)
+        dx[i] = dout[i] * (cdf + v * pdf)
+
+
+@_inline
+def _tanh32(u):
+    return f32(1.0) - f32(2.0) / (_exp32(f32(2.0) * u) + f32(1.0))
+
+
+@_kernel
+def _gelu_tanh_fwd(x, y):
+    for i in prange(x.size):
+        v = x[i]
+        t = _tanh32(_C_SQRT_2_OVER_PI * (v + f32(0.044715) * v * v * v))
+        y[i] = f32(0.5) * v * (f32(1.0) + t)
+
+
+@_kernel
+def _gelu_tanh_bwd(x, dout, dx):
+    for i in prange(x.size):
+        v = x[i]
+        t = _tanh32(_C_SQRT_2_OVER_PI * (v + f32(0.044715) * v * v * v))
+        dt = (f32(1.0) - t * t) * _C_SQRT_2_OVER_PI * (f32(1.0) + f32(3 * 0.044715) * v * v)  # dt/dx
+        dx[i] = dout[i] * (f32(0.5) * (f32(1.0) + t) + f32(0.5) * v * dt)
 
 
 def _gelu_cpu(x, dout, approximate):
-    block = _gelu_erf_block if approximate == "erf" else _gelu_tanh_block
-    xf = numpy.ascontiguousarray(x).reshape(-1)
-    df = None if dout is None else numpy.ascontiguousarray(dout).reshape(-1)
+    _use_threads()
+    xf = _flat(x)
     out = numpy.empty_like(xf)
-
-    def task(i, s, e):
-        block(xf[s:e], None if df is None else df[s:e], out[s:e], df is not None)
-
-    _for_blocks(xf.size, 1, task)
+    if approximate == "erf":
+        _gelu_erf_fwd(xf, out) if dout is None else _gelu_erf_bwd(xf, _flat(dout), out)
+    else:
+        _gelu_tanh_fwd(xf, out) if dout is None else _gelu_tanh_bwd(xf, _flat(dout), out)
     return out.reshape(x.shape)
 
 
-# ---- LayerNorm ------------------------------------------------------------------------------------
+# ---- LayerNorm: one row (token) per loop step -------------------------------------------------------
+
+@_kernel
+def _layernorm_fwd(x, weight, bias, eps, y, xhat, rstd):  # x, y, xhat: (R, D); rstd: (R,)
+    R, D = x.shape
+    for r in prange(R):
+        mean = f32(0.0)
+        for d in range(D):
+            mean += x[r, d]
+        mean /= D
+        var = f32(0.0)
+        for d in range(D):
+            var += (x[r, d] - mean) * (x[r, d] - mean)
+        rs = f32(1.0) / math.sqrt(var / D + eps)                           # 1 / sqrt(var + eps)
+        for d in range(D):
+            h = (x[r, d] - mean) * rs                                      # xhat
+            xhat[r, d] = h
+            y[r, d] = h * weight[d] + bias[d]
+        rstd[r] = rs
+
+
+ROWS_PER_GROUP = 64  # LayerNorm backward sums dweight, dbias over groups of this many rows, then groups
+
+
+@_kernel
+def _layernorm_bwd(dout, xhat, rstd, weight, dx, dweight_parts, dbias_parts):
+    R, D = dout.shape
+    for g in prange(dweight_parts.shape[0]):                               # one group of rows per step
+        for d in range(D):
+            dweight_parts[g, d] = f32(0.0)
+            dbias_parts[g, d] = f32(0.0)
+        for r in range(g * ROWS_PER_GROUP, min(R, (g + 1) * ROWS_PER_GROUP)):
+            mean_g = f32(0.0)                                              # mean(dxhat), dxhat = dout w
+            mean_gx = f32(0.0)                                             # mean(dxhat * xhat)
+            for d in range(D):
+                dweight_parts[g, d] += dout[r, d] * xhat[r, d]
+                dbias_parts[g, d] += dout[r, d]
+                mean_g += dout[r, d] * weight[d]
+                mean_gx += dout[r, d] * weight[d] * xhat[r, d]
+            mean_g /= D
+            mean_gx /= D
+            for d in range(D):                                             # term 1 - term 2 - term 3
+                dx[r, d] = rstd[r] * (dout[r, d] * weight[d] - mean_g - xhat[r, d] * mean_gx)
+
 
 def _layernorm_forward_cpu(x, weight, bias, eps):
+    _use_threads()
     x2 = _rows(x)                                              # (R, D), R = all leading axes
     R, D = x2.shape
-    out, xhat = numpy.empty_like(x2), numpy.empty_like(x2)    # (R, D)
-    rstd = numpy.empty((R, 1), x2.dtype)                       # (R, 1)
-
-    def task(i, s, e):
-        xs, xh, rs = x2[s:e], xhat[s:e], rstd[s:e, 0]
-        mean = _scratch("m", e - s, x2.dtype)
-        numpy.einsum("rd->r", xs, out=mean)                     # row sums (einsum: no temporary)
-        mean *= 1.0 / D
-        numpy.subtract(xs, mean[:, None], out=xh)              # x - mean
-        numpy.einsum("rd,rd->r", xh, xh, out=rs)
-        rs *= 1.0 / D
-        rs += eps
-        numpy.sqrt(rs, out=rs)
-        numpy.reciprocal(rs, out=rs)                           # 1 / sqrt(var + eps)
-        xh *= rs[:, None]                                      # xhat
-        numpy.multiply(xh, weight, out=out[s:e])
-        out[s:e] += bias
-
-    _for_blocks(R, D, task)
-    shape = x.shape[:-1]
-    return out.reshape(x.shape), (xhat.reshape(x.shape), rstd.reshape(shape + (1,)), weight)
+    y, xhat = numpy.empty_like(x2), numpy.empty_like(x2)      # (R, D)
+    rstd = numpy.empty((R,), x2.dtype)                         # (R,)
+    _layernorm_fwd(x2, _flat(weight), _flat(bias), f32(eps), y, xhat, rstd)
+    return y.reshape(x.shape), (xhat.reshape(x.shape), rstd.reshape(x.shape[:-1] + (1,)), weight)
 
 
 def _layernorm_backward_cpu(dout, cache):
+    _use_threads()
     xhat, rstd, weight = cache
-    D = xhat.shape[-1]
-    xh2, d2, rs2 = _rows(xhat), _rows(dout), rstd.reshape(-1)  # (R, D), (R, D), (R,)
-    R = xh2.shape[0]
+    xh2, d2 = _rows(xhat), _rows(dout)                         # (R, D) each
+    R, D = d2.shape
     dx = numpy.empty_like(d2)                                  # (R, D)
-    rows = max(1, BLOCK_VALUES // D)
-    n_blocks = -(-R // rows)
-    dweight_parts = numpy.empty((n_blocks, D), d2.dtype)       # one partial sum per block, added in order
-    dbias_parts = numpy.empty((n_blocks, D), d2.dtype)
-
-    def task(i, s, e):
-        xh, d, o = xh2[s:e], d2[s:e], dx[s:e]
-        tmp = _scratch("t", (e - s) * D, d2.dtype).reshape(e - s, D)
-        numpy.einsum("rd,rd->d", d, xh, out=dweight_parts[i])  # sum of dout * xhat
-        numpy.einsum("rd->d", d, out=dbias_parts[i])
-        numpy.multiply(d, weight, out=o)                       # dxhat
-        m1 = _scratch("m", e - s, d2.dtype)
-        m2 = _scratch("n", e - s, d2.dtype)
-        numpy.einsum("rd->r", o, out=m1)
-        m1 *= 1.0 / D                                          # mean(dxhat)
-        numpy.einsum("rd,rd->r", o, xh, out=m2)
-        m2 *= 1.0 / D                                          # mean(dxhat * xhat)
-        o -= m1[:, None]
-        numpy.multiply(xh, m2[:, None], out=tmp)
-        o -= tmp
-        o *= rs2[s:e, None]                                    # rstd (dxhat - mean - xhat mean)
-
-    _for_blocks(R, D, task)
+    groups = -(-R // ROWS_PER_GROUP)
+    dweight_parts = numpy.empty((groups, D), d2.dtype)         # one partial sum per group of rows
+    dbias_parts = numpy.empty((groups, D), d2.dtype)
+    _layernorm_bwd(d2, xh2, _flat(rstd), _flat(weight), dx, dweight_parts, dbias_parts)
     return dx.reshape(dout.shape), dweight_parts.sum(0), dbias_parts.sum(0)
 
 
-# ---- softmax over the last axis ---------------------------------------------------------------------
+# ---- softmax over the last axis: one row per loop step ----------------------------------------------
+
+@_inline
+def _row_max(x):
+    """max of a 1-D array, with eight running maxima: one alone waits for each comparison to finish
+    (~4 cycles) before the next; eight overlap. (A max is not vectorised unless NaN is ruled out.)"""
+    m0 = m1 = m2 = m3 = m4 = m5 = m6 = m7 = x[0]
+    j = 0
+    while j + 8 <= x.size:
+        m0, m1, m2, m3 = max(m0, x[j]), max(m1, x[j + 1]), max(m2, x[j + 2]), max(m3, x[j + 3])
+        m4, m5, m6, m7 = max(m4, x[j + 4]), max(m5, x[j + 5]), max(m6, x[j + 6]), max(m7, x[j + 7])
+        j += 8
+    while j < x.size:
+        m0 = max(m0, x[j])
+        j += 1
+    return max(max(max(m0, m1), max(m2, m3)), max(max(m4, m5), max(m6, m7)))
+
+
+# In the row kernels below each loop does one thing: a loop that both stores values and sums them is
+# not vectorised by the compiler (measured 2x slower), so the sum is a loop of its own.
+
+@_kernel
+def _softmax_fwd(x, y):  # (R, n) each
+    R, n = x.shape
+    for r in prange(R):
+        xr, yr = x[r], y[r]
+        m = _row_max(xr)                                                   # the row's max: exp <= 1
+        for j in range(n):
+            yr[j] = _exp32(xr[j] - m)
+        total = f32(0.0)
+        for j in range(n):
+            total += yr[j]
+        inv = f32(1.0) / total
+        for j in range(n):
+            yr[j] *= inv
+
+
+@_kernel
+def _softmax_bwd(dout, s, dx):  # (R, n) each: dx = s (dout - sum_j dout_j s_j)
+    R, n = dout.shape
+    for r in prange(R):
+        dr, sr, dxr = dout[r], s[r], dx[r]
+        dot = f32(0.0)
+        for j in range(n):
+            dot += dr[j] * sr[j]
+        for j in range(n):
+            dxr[j] = sr[j] * (dr[j] - dot)
+
 
 def _softmax_forward_cpu(x):
+    _use_threads()
     x2 = _rows(x)
-    out = numpy.empty_like(x2)
-    n = x2.shape[1]
-
-    def task(i, s, e):
-        xs, o = x2[s:e], out[s:e]
-        m = _scratch("m", e - s, x2.dtype)
-        numpy.max(xs, axis=-1, out=m)
-        numpy.subtract(xs, m[:, None], out=o)
-        numpy.exp(o, out=o)
-        numpy.einsum("rn->r", o, out=m)
-        numpy.reciprocal(m, out=m)
-        o *= m[:, None]
-
-    _for_blocks(x2.shape[0], n, task)
-    out = out.reshape(x.shape)
-    return out, out
+    y = numpy.empty_like(x2)
+    if x2.size:
+        _softmax_fwd(x2, y)
+    y = y.reshape(x.shape)
+    return y, y
 
 
 def _softmax_backward_cpu(dout, s):
-    d2, s2 = _rows(dout), _rows(s)
+    _use_threads()
+    d2 = _rows(dout)
     dx = numpy.empty_like(d2)
-
-    def task(i, a, e):
-        dot = _scratch("m", e - a, d2.dtype)
-        numpy.einsum("rn,rn->r", d2[a:e], s2[a:e], out=dot)   # sum_j dout_j s_j
-        numpy.subtract(d2[a:e], dot[:, None], out=dx[a:e])
-        dx[a:e] *= s2[a:e]
-
-    _for_blocks(d2.shape[0], d2.shape[1], task)
+    _softmax_bwd(d2, _rows(s), dx)
     return dx.reshape(dout.shape)
+
+
+# ---- attention, in chunks of images, the N x N weights never stored ---------------------------------
+# The reference computes the scores q k^T / sqrt(hs) of the whole batch, (B, nh, N, N), and keeps their
+# softmax for the backward. Here the batch goes through in chunks of a few images, so that a chunk's
+# (b, nh, N, N) scores stay in the CPU's cache between the matrix products (NumPy's, i.e. BLAS) and the
+# softmax (one Numba kernel); and only each row's log-sum-exp (lse, B x nh x N values) is kept. The
+# backward recomputes the weights from it, p_ij = exp(s_ij - lse_i), inside its softmax-backward kernel,
+# as FlashAttention does: one more q k^T product, and no (B, nh, N, N) array held between the passes
+# (PyTorch's scaled_dot_product_attention makes the same trade).
+
+CHUNK_BYTES = 512 * 1024  # a chunk's (b, nh, N, N) scores: about this many bytes (fits in L2 beside q, k, v)
+
+
+@_kernel
+def _softmax_lse(s, scale, lse):  # s: (R, N) raw scores q.k, in place -> p; lse: (R,)
+    R, N = s.shape
+    for r in prange(R):
+        sr = s[r]
+        m = _row_max(sr) * scale                                          # scale > 0: max of scale q.k
+        for j in range(N):
+            sr[j] = _exp32(sr[j] * scale - m)
+        total = f32(0.0)
+        for j in range(N):
+            total += sr[j]
+        inv = f32(1.0) / total
+        for j in range(N):
+            sr[j] *= inv                                                  # p_ij
+        lse[r] = m + math.log(total)                                      # log sum_j exp(scale q_i.k_j)
+
+
+@_kernel
+def _softmax_lse_bwd(s, dp, lse, scale):  # s: raw scores (R, N) -> p; dp: dL/dp (R, N) -> scale * dL/ds
+    R, N = s.shape
+    for r in prange(R):
+        sr, dpr = s[r], dp[r]
+        for j in range(N):
+            sr[j] = _exp32(sr[j] * scale - lse[r])                        # p_ij, recomputed
+        delta = f32(0.0)
+        for j in range(N):
+            delta += sr[j] * dpr[j]                                       # sum_j p_ij dp_ij
+        for j in range(N):
+            dpr[j] = sr[j] * (dpr[j] - delta) * scale                     # ds_ij, times d(scale q.k)/d(q.k)
+
+
+def _chunks(B, nh, N, itemsize):
+    rows = max(1, CHUNK_BYTES // (nh * N * N * itemsize))              # images per chunk
+    return [(b, min(b + rows, B)) for b in range(0, B, rows)]
+
+
+def _heads(a, num_heads):
+    """(B, N, nh * hs) -> a (B, nh, N, hs) view."""
+    B, N, D = a.shape
+    return a.reshape(B, N, num_heads, D // num_heads).transpose(0, 2, 1, 3)
+
+
+def cpu_attention(x):
+    """Whether attention_forward has a fused version for this array (the CPU with Numba)."""
+    return HAVE_NUMBA and isinstance(x, numpy.ndarray)
+
+
+def _attention_forward_cpu(qkv, num_heads):
+    _use_threads()
+    B, N, D3 = qkv.shape
+    D = D3 // 3
+    q, k, v = (_heads(qkv[..., i * D:(i + 1) * D], num_heads) for i in range(3))   # (B, nh, N, hs) views
+    scale = f32(1.0 / math.sqrt(D // num_heads))
+    out = numpy.empty((B, N, D), qkv.dtype)                      # (B, N, D), heads side by side
+    lse = numpy.empty((B, num_heads, N), qkv.dtype)              # (B, nh, N)
+    out_heads = _heads(out, num_heads)                           # (B, nh, N, hs) view of out
+    for b0, b1 in _chunks(B, num_heads, N, qkv.itemsize):
+        s = q[b0:b1] @ k[b0:b1].swapaxes(-1, -2)                 # (b, nh, N, N)  q.k
+        _softmax_lse(s.reshape(-1, N), scale, lse[b0:b1].reshape(-1))   # s -> attention weights p
+        numpy.matmul(s, v[b0:b1], out=out_heads[b0:b1])          # (b, nh, N, hs)  p v, into place
+    return out, AttentionCache(qkv, lse, num_heads)
+
+
+def _attention_backward_cpu(dout, cache):
+    _use_threads()
+    qkv, lse, num_heads = cache
+    B, N, D3 = qkv.shape
+    D = D3 // 3
+    q, k, v = (_heads(qkv[..., i * D:(i + 1) * D], num_heads) for i in range(3))
+    scale = f32(1.0 / math.sqrt(D // num_heads))
+    dqkv = numpy.empty_like(qkv)                                 # (B, N, 3D), every value written
+    dq, dk, dv = (_heads(dqkv[..., i * D:(i + 1) * D], num_heads) for i in range(3))
+    dctx = _heads(dout, num_heads)                               # (B, nh, N, hs)
+    for b0, b1 in _chunks(B, num_heads, N, qkv.itemsize):
+        c = slice(b0, b1)
+        s = q[c] @ k[c].swapaxes(-1, -2)                         # (b, nh, N, N)  q.k, again
+        dp = dctx[c] @ v[c].swapaxes(-1, -2)                     # (b, nh, N, N)  dL/dp = dctx v^T
+        _softmax_lse_bwd(s.reshape(-1, N), dp.reshape(-1, N), lse[c].reshape(-1), scale)  # s -> p, dp -> ds
+        numpy.matmul(s.swapaxes(-1, -2), dctx[c], out=dv[c])     # dv = p^T dctx
+        numpy.matmul(dp, k[c], out=dq[c])                        # dq = ds k
+        numpy.matmul(dp.swapaxes(-1, -2), q[c], out=dk[c])       # dk = ds^T q
+    return dqkv
+
+
+# ---- AdamW: one pass over each parameter, instead of ten ---------------------------------------------
+# The same update as optim.AdamW's reference lines, in the same order, one value at a time:
+#   p <- p (1 - lr wd);  m <- b1 m + (1 - b1) g;  v <- b2 v + (1 - b2) g^2
+#   p <- p - lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
+
+@_kernel
+def _adamw(p, g, m, v, decay, b1, b2, one_minus_b1, one_minus_b2, step_size, inv_sqrt_bc2, eps):
+    for i in prange(p.size):                                              # (n,) each, in place
+        m[i] = b1 * m[i] + one_minus_b1 * g[i]
+        v[i] = b2 * v[i] + one_minus_b2 * (g[i] * g[i])
+        p[i] = p[i] * decay - step_size * (m[i] / (math.sqrt(v[i]) * inv_sqrt_bc2 + eps))
+
+
+def cpu_adamw(*arrays):
+    """Whether adamw_update can take these arrays: float32 NumPy, C-contiguous, with Numba."""
+    return HAVE_NUMBA and all(isinstance(a, numpy.ndarray) and a.dtype == numpy.float32
+                              and a.flags.c_contiguous for a in arrays)
+
+
+def adamw_update(p, g, m, v, lr, b1, b2, eps, weight_decay, bias_c1, bias_c2):
+    """One AdamW step of one parameter, in place (p, m, v), as optim.AdamW.step's reference lines.
+    Every constant is worked out in float64 and rounded once (1 - b2 from a rounded b2 would be 1.3e-5 off)."""
+    _use_threads()
+    _adamw(p.reshape(-1), g.reshape(-1), m.reshape(-1), v.reshape(-1), f32(1.0 - lr * weight_decay),
+           f32(b1), f32(b2), f32(1.0 - b1), f32(1.0 - b2), f32(lr / bias_c1), f32(1.0 / math.sqrt(bias_c2)), f32(eps))
 
 
 # ==================================================================================================
@@ -550,6 +706,16 @@ def layernorm_backward(dout, cache):
 def softmax_forward(x):
     """As functional.softmax_forward: (out, out)."""
     return _gpu_softmax_forward(x) if _is_cupy(x) else _softmax_forward_cpu(x)
+
+
+def attention_forward(qkv, num_heads):
+    """As functional.attention_forward, fused (the CPU with Numba): (out, AttentionCache)."""
+    return _attention_forward_cpu(qkv, num_heads)
+
+
+def attention_backward(dout, cache):
+    """As functional.attention_backward, for an AttentionCache: dqkv."""
+    return _attention_backward_cpu(dout, cache)
 
 
 def softmax_backward(dout, cache):

@@ -294,7 +294,7 @@ class Attention(Layer):
     @property
     def attn(self):
         """The last forward's attention weights (B, nh, N, N), for plots (training mode only)."""
-        return None if self.cache is None else self.cache[3]
+        return None if self.cache is None else F.attention_weights(self.cache)
 
     def extra_repr(self):
         return f"heads={self.num_heads}"

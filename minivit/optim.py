@@ -15,7 +15,7 @@ tests/test_optim.py checks to 1e-12 in float64. Glossary for the math in the com
 import math
 import numbers
 
-from .backend import asarray, backend_of, get_array_module, to_numpy
+from .backend import asarray, backend_of, fast_kernels, get_array_module, to_numpy
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -243,15 +243,19 @@ class AdamW(Optimizer):
             g = grads[name]
             xp = get_array_module(p)
             wd = self._decay(name)
-            if wd != 0:
-                p *= 1 - self.lr * wd  # p <- p (1 - lr wd)
             m = _like(ms[name], p) if name in ms else xp.zeros_like(p)
             v = _like(vs[name], p) if name in vs else xp.zeros_like(p)
+            ms[name], vs[name] = m, v
+            fast = fast_kernels(p)
+            if fast and fast.cpu_adamw(p, g, m, v):  # float32 on the CPU: the lines below in one pass
+                fast.adamw_update(p, g, m, v, self.lr, b1, b2, self.eps, wd, bias_c1, bias_c2)
+                continue
+            if wd != 0:
+                p *= 1 - self.lr * wd  # p <- p (1 - lr wd)
             m *= b1
             m += (1 - b1) * g  # m_t = b1 m + (1 - b1) g
             v *= b2
             v += (1 - b2) * (g * g)  # v_t = b2 v + (1 - b2) g^2
-            ms[name], vs[name] = m, v
             denom = xp.sqrt(v) / math.sqrt(bias_c2) + self.eps  # sqrt(v_t / (1 - b2^t)) + eps
             p -= (self.lr / bias_c1) * (m / denom)  # p <- p - lr m_hat / denom
 

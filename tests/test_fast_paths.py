@@ -39,43 +39,66 @@ def ref64(fn, *arrays):
         backend.set_fast_kernels(True)
 
 
-# ---- erf -------------------------------------------------------------------------------------------
+# ---- the polynomial exp and erf inside the CPU kernels ------------------------------------------------
 
-def test_erf_is_within_1e7_of_the_exact_erf(rng):
-    x = np.concatenate([np.linspace(-7, 7, 1_400_001), rng.standard_normal(100_000) * 3,
-                        [0.0, -0.0, 1e-30, -1e-8, 3.9, 4.0, 4.1, 1e30, -1e30]]).astype(np.float32)
-    got = kernels.erf(x)
-    assert got.dtype == np.float32 and got.shape == x.shape
-    exact = scipy.special.erf(x.astype(np.float64))
-    assert np.abs(got - exact).max() <= 1e-7
-    # small arguments keep their relative accuracy too (erf(x) ~ 2x / sqrt(pi))
-    tiny = np.float32([1e-3, -1e-5, 1e-20])
-    np.testing.assert_allclose(kernels.erf(tiny), scipy.special.erf(tiny.astype(np.float64)), rtol=2e-7)
+needs_numba = pytest.mark.skipif(not kernels.HAVE_NUMBA, reason="the CPU fast paths need Numba")
 
 
-def test_erf_keeps_nan_and_saturates_at_infinity():
-    out = kernels.erf(np.float32([np.nan, np.inf, -np.inf]))
+def _vectorised(helper):
+    """A float32 array function from one of kernels' scalar helpers (compiled the same way)."""
+    import numba
+
+    @numba.njit
+    def apply(x, out):
+        for i in range(x.size):
+            out[i] = helper(x[i])
+
+    def call(x):
+        x = np.ascontiguousarray(x, np.float32)
+        out = np.empty_like(x)
+        apply(x.reshape(-1), out.reshape(-1))
+        return out
+
+    return call
+
+
+@needs_numba
+def test_exp32_is_within_two_ulp_of_exp_over_the_float32_range(rng):
+    exp32 = _vectorised(kernels._exp32)
+    x = np.concatenate([np.linspace(-87, 88, 2_000_001), rng.standard_normal(100_000) * 10,
+                        [0.0, -0.0, 1e-30, -1e-8, 0.5 * np.log(2)]]).astype(np.float32)
+    exact = np.exp(x.astype(np.float64))
+    assert np.abs(exp32(x) / exact - 1).max() < 2.5e-7          # float32's ulp is 1.2e-7 relative
+    out = exp32(np.float32([np.nan, np.inf, -np.inf, -200.0, 200.0]))
+    assert np.isnan(out[0]) and out[1] == np.inf and 0 <= out[2] < 2e-38 and 0 <= out[3] < 2e-38
+    assert out[4] == np.inf
+
+
+@needs_numba
+def test_erf32_is_within_5e7_of_erf():
+    erf32 = _vectorised(kernels._erf32)
+    x = np.concatenate([np.linspace(-7, 7, 1_400_001), [0.0, 1e-30, -1e-8, 3.9, 4.0, 4.1, 1e30, -1e30]])
+    x = x.astype(np.float32)
+    assert np.abs(erf32(x) - scipy.special.erf(x.astype(np.float64))).max() < 5e-7   # measured 4.2e-7
+    tiny = np.float32([1e-3, -1e-5, 1e-20])                       # erf(x) ~ 2x / sqrt(pi): relative too
+    np.testing.assert_allclose(erf32(tiny), scipy.special.erf(tiny.astype(np.float64)), rtol=5e-7)
+    out = erf32(np.float32([np.nan, np.inf, -np.inf]))
     assert np.isnan(out[0]) and out[1] == 1.0 and out[2] == -1.0
 
 
-def test_erf_takes_any_shape_and_layout(rng):
-    x = rng.standard_normal((5, 7, 9)).astype(np.float32)[:, ::2].transpose(2, 0, 1)   # not contiguous
-    np.testing.assert_allclose(kernels.erf(x), scipy.special.erf(x.astype(np.float64)), atol=1e-7, rtol=0)
-    assert kernels.erf(np.zeros((0, 3), np.float32)).shape == (0, 3)
-    with pytest.raises(TypeError, match="float32"):
-        kernels.erf(np.zeros(3))
-
-
-def test_backend_erf_is_fast_only_for_float32():
+def test_backend_erf_is_scipys_on_the_cpu():
     x = np.linspace(-3, 3, 1001)
-    np.testing.assert_array_equal(backend.erf(x), scipy.special.erf(x))                 # float64: exact
+    np.testing.assert_array_equal(backend.erf(x), scipy.special.erf(x))
     x32 = x.astype(np.float32)
-    np.testing.assert_array_equal(backend.erf(x32), kernels.erf(x32))
-    backend.set_fast_kernels(False)
-    try:
-        np.testing.assert_array_equal(backend.erf(x32), scipy.special.erf(x32))
-    finally:
-        backend.set_fast_kernels(True)
+    np.testing.assert_array_equal(backend.erf(x32), scipy.special.erf(x32))
+
+
+def test_without_numba_the_cpu_runs_the_reference(monkeypatch, rng):
+    monkeypatch.setattr(kernels, "HAVE_NUMBA", False)
+    x = rng.standard_normal((2, 3, 4)).astype(np.float32)
+    assert backend.fast_kernels(x) is None
+    out, cache = F.gelu_forward(x)                                 # the reference lines, in float32
+    assert out.dtype == np.float32 and cache[0] is x
 
 
 # ---- the pairs on the CPU ----------------------------------------------------------------------------
@@ -83,6 +106,7 @@ def test_backend_erf_is_fast_only_for_float32():
 SHAPES = [(3, 5, 8), (2, 37, 50), (64, 65, 192), (7, 3000)]   # partial blocks, rows longer than a block
 
 
+@needs_numba
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("approximate", ["erf", "tanh"])
 def test_gelu_fast_path_matches_the_reference(rng, shape, approximate):
@@ -97,6 +121,7 @@ def test_gelu_fast_path_matches_the_reference(rng, shape, approximate):
     assert cache[0] is x and cache[1] == approximate     # the same cache as the reference: x alone
 
 
+@needs_numba
 @pytest.mark.parametrize("shape", SHAPES)
 def test_layernorm_fast_path_matches_the_reference(rng, shape):
     D = shape[-1]
@@ -114,6 +139,7 @@ def test_layernorm_fast_path_matches_the_reference(rng, shape):
     assert rel(dx, dx64) < 5e-6 and rel(dw, dw64) < 5e-6 and rel(db, db64) < 5e-6
 
 
+@needs_numba
 @pytest.mark.parametrize("shape", [(2, 3, 5, 5), (4, 3, 65, 65), (3, 20000), (6, 1)])
 def test_softmax_fast_path_matches_the_reference(rng, shape):
     x = (rng.standard_normal(shape) * 5).astype(np.float32)
@@ -128,6 +154,78 @@ def test_softmax_fast_path_matches_the_reference(rng, shape):
     assert rel(s, s64) < 1e-6 and rel(dx, dx64) < 2e-6
 
 
+ATTENTION_SHAPES = [(2, 5, 12, 3), (3, 17, 32, 2), (64, 65, 192, 3), (2, 197, 96, 12), (5, 1, 8, 2), (1, 3, 4, 1)]
+
+
+@needs_numba
+@pytest.mark.parametrize("B, N, D, nh", ATTENTION_SHAPES)
+def test_fused_attention_matches_the_reference(rng, B, N, D, nh):
+    qkv = (rng.standard_normal((B, N, 3 * D)) * 2).astype(np.float32)
+    dout = rng.standard_normal((B, N, D)).astype(np.float32)
+    out, cache = F.attention_forward(qkv, nh)
+    dqkv = F.attention_backward(dout, cache)
+    out64, cache64 = ref64(lambda a: F.attention_forward(a, nh), qkv)
+    dqkv64 = ref64(lambda d: F.attention_backward(d, cache64), dout)
+    assert isinstance(cache, kernels.AttentionCache) and out.dtype == dqkv.dtype == np.float32
+    assert out.shape == (B, N, D) and dqkv.shape == qkv.shape
+    assert rel(out, out64) < 2e-6 and rel(dqkv, dqkv64) < 5e-6          # float32 sums over N terms
+    weights = F.attention_weights(cache)                                   # recomputed from lse
+    assert weights.shape == (B, nh, N, N) and rel(weights, cache64[3]) < 1e-5   # exp(s - lse): lse's rounding
+
+
+@needs_numba
+def test_fused_attention_keeps_no_n_by_n_array(rng):
+    """What the fused forward keeps: qkv itself (the qkv layer's output, not a copy) and one float per
+    query row and head; the reference keeps the (B, nh, N, N) weights besides."""
+    B, N, D, nh = 4, 50, 24, 3
+    qkv = rng.standard_normal((B, N, 3 * D)).astype(np.float32)
+    _, cache = F.attention_forward(qkv, nh)
+    kept, lse, heads = cache
+    assert kept is qkv and heads == nh and lse.shape == (B, nh, N)
+
+
+@needs_numba
+def test_fused_attention_takes_a_strided_qkv_and_chunks_of_any_size(rng, monkeypatch):
+    B, N, D, nh = 7, 9, 16, 2
+    wide = rng.standard_normal((B, N, 3 * D + 5)).astype(np.float32)
+    qkv = wide[..., 2:2 + 3 * D]                                           # not contiguous
+    dout = rng.standard_normal((B, N, D)).astype(np.float32)
+    out64, cache64 = ref64(lambda a: F.attention_forward(a, nh), qkv)
+    dqkv64 = ref64(lambda d: F.attention_backward(d, cache64), dout)
+    for chunk_images in (1, 3, 7, 100):                                    # chunks that do and do not divide B
+        monkeypatch.setattr(kernels, "CHUNK_BYTES", chunk_images * nh * N * N * 4)
+        out, cache = F.attention_forward(qkv, nh)
+        assert rel(out, out64) < 2e-6 and rel(F.attention_backward(dout, cache), dqkv64) < 2e-6
+
+
+def test_attention_layer_shows_its_weights_from_either_cache(rng, reference):
+    """Attention.attn, for plots: the weights, whichever forward ran (fast paths off here, then on)."""
+    from minivit import layers as L
+
+    att = L.Attention(8, num_heads=2, rng=np.random.default_rng(0))
+    x = rng.standard_normal((2, 5, 8)).astype(np.float32)
+    att.forward(x)
+    ref_weights = att.attn.copy()
+    backend.set_fast_kernels(True)
+    att.forward(x)
+    assert rel(att.attn, ref_weights) < 2e-6 and att.attn.shape == (2, 2, 5, 5)
+    att.eval()
+    att.forward(x)
+    assert att.attn is None
+
+
+@needs_numba
+def test_empty_arrays_pass_through_the_kernels():
+    for shape in [(0, 5), (3, 0), (2, 0, 4)]:
+        x = np.zeros(shape, np.float32)
+        assert F.gelu_forward(x)[0].shape == shape and F.softmax_forward(x)[0].shape == shape
+        assert F.gelu_backward(x, (x, "erf")).shape == shape
+        if shape[-1]:
+            out, cache = F.layernorm_forward(x, np.ones(shape[-1], np.float32), np.zeros(shape[-1], np.float32))
+            dx, dw, db = F.layernorm_backward(x, cache)
+            assert out.shape == dx.shape == shape and dw.shape == db.shape == (shape[-1],) and not dw.any()
+
+
 def test_fast_and_reference_caches_are_interchangeable(rng, reference):
     """A cache made by one path works in the other's backward (same layout, same meaning)."""
     x = rng.standard_normal((4, 9, 16)).astype(np.float32)
@@ -140,9 +238,10 @@ def test_fast_and_reference_caches_are_interchangeable(rng, reference):
     assert rel(fast_dx, ref_dx) < 1e-5
 
 
+@needs_numba
 def test_threads_give_the_same_numbers(rng, monkeypatch):
-    """MINIVIT_NUM_THREADS shares the blocks among threads; every result is the same to the bit
-    (LayerNorm's dweight is summed per block, in block order, whatever the thread count)."""
+    """MINIVIT_NUM_THREADS sets how many cores share each kernel's loop; every result is the same to
+    the bit (LayerNorm's dweight is summed per group of rows, then the groups in order)."""
     x = rng.standard_normal((8, 65, 192)).astype(np.float32)
     dout = rng.standard_normal(x.shape).astype(np.float32)
     w, b = rng.standard_normal(192).astype(np.float32), rng.standard_normal(192).astype(np.float32)
@@ -151,12 +250,17 @@ def test_threads_give_the_same_numbers(rng, monkeypatch):
         out, cache = F.layernorm_forward(x, w, b)
         g, gcache = F.gelu_forward(x)
         s, _ = F.softmax_forward(x)
+        qkv = np.concatenate([x, x[:, ::-1], x * 0.5], -1)                   # (8, 65, 576)
+        a, acache = F.attention_forward(qkv, 3)
         return (out, *F.layernorm_backward(dout, cache), g, F.gelu_backward(dout, gcache), s,
-                F.softmax_backward(dout, s), kernels.erf(x))
+                F.softmax_backward(dout, s), a, acache[1], F.attention_backward(dout, acache))
 
+    monkeypatch.setenv("MINIVIT_NUM_THREADS", "1")
     one = run()
     monkeypatch.setenv("MINIVIT_NUM_THREADS", "2")
-    assert kernels.num_threads() == 2
+    import numba
+
+    assert kernels.num_threads() == min(2, numba.config.NUMBA_NUM_THREADS)
     for a, b_ in zip(one, run()):
         np.testing.assert_array_equal(a, b_)
     monkeypatch.setenv("MINIVIT_NUM_THREADS", "zero")
@@ -166,7 +270,7 @@ def test_threads_give_the_same_numbers(rng, monkeypatch):
 
 def test_float64_never_takes_a_fast_path(rng, monkeypatch):
     calls = []
-    for name in ("gelu_forward", "layernorm_forward", "softmax_forward", "erf"):
+    for name in ("gelu_forward", "layernorm_forward", "softmax_forward"):
         monkeypatch.setattr(kernels, name, lambda *a, _n=name, **k: calls.append(_n))
     x = rng.standard_normal((2, 3, 4))
     F.gelu_forward(x)
@@ -273,3 +377,46 @@ def test_gpu_model_fast_and_reference_agree():
     assert rel(out[1][0], out[0][0]) < 1e-5
     for k in out[0][1]:
         assert rel(out[1][1][k], out[0][1][k]) < 1e-4, k
+
+
+# ---- AdamW in one pass ---------------------------------------------------------------------------------
+
+@needs_numba
+def test_adamw_fast_path_matches_the_reference_over_many_steps(rng):
+    """float32 parameters take kernels.adamw_update; 30 steps with weight decay on some parameters and
+    changing gradients end within float32 rounding of the reference lines (run in float64)."""
+    from minivit.optim import AdamW
+
+    class Toy:
+        def __init__(self, dtype):
+            self.params = {"w": (rng_w * 1.0).astype(dtype), "b": np.zeros(7, dtype), "s": np.ones((), dtype)}
+            self.grads = {k: np.zeros_like(p) for k, p in self.params.items()}
+
+    rng_w = rng.standard_normal((5, 7))
+    grads = [{"w": rng.standard_normal((5, 7)), "b": rng.standard_normal(7) * 1e-3, "s": rng.standard_normal(())}
+             for _ in range(30)]
+    fast, ref = Toy(np.float32), Toy(np.float64)
+    opts = [AdamW(m, lr=3e-3, weight_decay=0.1, no_decay={"b"}) for m in (fast, ref)]
+    for gs in grads:
+        for m, opt in zip((fast, ref), opts):
+            for k, g in gs.items():
+                m.grads[k][...] = g
+            opt.step()
+    for k in fast.params:
+        assert fast.params[k].dtype == np.float32
+        np.testing.assert_allclose(fast.params[k], ref.params[k], rtol=1e-5, atol=1e-6)  # |p| ~ 1
+        np.testing.assert_allclose(opts[0].buffers["exp_avg_sq"][k], opts[1].buffers["exp_avg_sq"][k], rtol=1e-5)
+
+
+@needs_numba
+def test_adamw_fast_path_is_taken_only_for_contiguous_float32(monkeypatch):
+    calls = []
+    monkeypatch.setattr(kernels, "adamw_update", lambda *a, **k: calls.append(a[0].dtype))
+    from minivit.optim import AdamW
+
+    class Toy:
+        params = {"a": np.ones(4, np.float32), "b": np.ones(4), "c": np.ones((4, 4), np.float32)[:, 1]}
+        grads = {"a": np.ones(4, np.float32), "b": np.ones(4), "c": np.ones(4, np.float32)}
+
+    AdamW(Toy(), lr=1e-3).step()
+    assert calls == [np.float32]                       # "b" is float64, "c" is a strided view

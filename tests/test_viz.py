@@ -56,8 +56,10 @@ def test_attention_weights_match_the_functional_attention_and_restore_the_mode(r
     # block 0 by hand: LN, packed qkv, softmax(q k^T / sqrt(hs))
     h = model.pos_embed.forward(model.patch_embed.forward(x))
     b0 = model.blocks[0]
-    _, cache = F.attention_forward(b0.attn.qkv.forward(b0.norm1.forward(h)), TINY.num_heads)
-    np.testing.assert_allclose(attns[0], minivit.to_numpy(cache[3]), rtol=1e-5, atol=1e-6)
+    q, k, _ = F.split_heads(b0.attn.qkv.forward(b0.norm1.forward(h)).astype(np.float64), TINY.num_heads)
+    scores = q @ k.swapaxes(-1, -2) / np.sqrt(q.shape[-1])                      # (B, nh, N, N)
+    weights = np.exp(scores - scores.max(-1, keepdims=True))
+    np.testing.assert_allclose(attns[0], weights / weights.sum(-1, keepdims=True), rtol=1e-5, atol=1e-6)
     assert model.training is False and b0.attn.cache is None
 
 
