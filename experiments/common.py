@@ -9,15 +9,15 @@ Each writes experiments/results/<name>[_quick].json (settings, one record per ru
 ran, the paper's claim) and a .png of the same numbers. notebooks/11_variants_and_ablations.ipynb
 plots them next to the paper.
 
-The loop (fit) is minivit.train's step written out once more, so that a ViT and the ResNet go through
-exactly the same code: same batches, same AdamW, same warm-up + cosine schedule, same evaluation.
+Every run trains through minivit.train (fit is a thin wrapper around train(cfg, model=..., data=...)), so
+a ViT and the ResNet go through exactly the trainer's code: same batches, same AdamW, same warm-up +
+cosine schedule, same evaluation.
 """
 
 import argparse
 import dataclasses
 import datetime
 import json
-import math
 import os
 import platform
 import sys
@@ -31,10 +31,8 @@ from minivit import augment as A
 from minivit import backend
 from minivit.conv import ResNet, ResNetConfig
 from minivit.data import SHAPES_CLASSES, Dataset, channel_mean_std, load_dataset, make_shapes
-from minivit.functional import cross_entropy
 from minivit.model import ViT, ViTConfig
-from minivit.optim import AdamW, WarmupCosine, clip_grad_norm, default_no_decay
-from minivit.train import evaluate
+from minivit.train import TrainConfig, TrainingDiverged, train
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -158,56 +156,39 @@ def describe(model):
 
 def fit(model, data, steps, batch_size, lr, weight_decay=0.05, warmup=0.1, augment="none", seed=0,
         num_evals=4, clip=1.0, label_smoothing=0.0):
-    """Train model on data.x_train for `steps` AdamW steps of batch_size images (warm-up for the first
-    `warmup` fraction, then cosine to 0), evaluating on data.x_test num_evals times, evenly spaced.
-    Returns a dict: final and best test accuracy, the last training losses, time and images seen."""
+    """Train model on data.x_train with minivit.train: `steps` AdamW steps of batch_size images (warm-up for
+    the first `warmup` fraction, then cosine to 0, gradients clipped to norm `clip`), evaluating on
+    data.x_test num_evals times, evenly spaced; no files written. Returns a dict for the results file:
+    final and best test accuracy, the training loss since the previous evaluation, time and images seen.
+    A run whose loss becomes NaN comes back with diverged=True and final_test_acc None."""
     n = len(data.y_train)
-    if batch_size > n:
-        batch_size = n                            # a tiny subset: one batch is the whole set
-    dev = model.backend
-    x_train, y_train = backend.asarray(data.x_train, backend=dev), backend.asarray(data.y_train, backend=dev)
-    x_test, y_test = backend.asarray(data.x_test, backend=dev), backend.asarray(data.y_test, backend=dev)
-    opt = AdamW(model, lr, weight_decay=weight_decay, no_decay=default_no_decay(model.params))
-    schedule = WarmupCosine(lr, steps, warmup_steps=round(warmup * steps))
-    rng = np.random.default_rng([seed, 7])       # batch order and augmentation
-    eval_at = sorted({max(1, round(steps * (i + 1) / num_evals)) for i in range(num_evals)})
-    order, pos, losses, curve, eval_seconds = None, n, [], [], 0.0
-    model.train()
+    batch_size = min(batch_size, n)               # a tiny subset: one batch is the whole set
+    cfg = TrainConfig(dataset=data.name, max_steps=steps, batch_size=batch_size, lr=lr, weight_decay=weight_decay,
+                      warmup_steps=round(warmup * steps), optimizer="adamw", clip_grad=clip or None,
+                      augment=augment, label_smoothing=label_smoothing, seed=seed, dtype=model.dtype,
+                      num_evals=num_evals, out=None, progress=False, verbose=False)
+    history = []                                  # train's records, kept even if the run diverges
     start = time.perf_counter()
-    for step in range(1, steps + 1):
-        if pos + batch_size > n:                  # a new epoch: a new random order
-            order, pos = rng.permutation(n), 0
-        idx = backend.asarray(order[pos:pos + batch_size], backend=dev)              # (B,)
-        pos += batch_size
-        x = A.augment_batch(x_train[idx], rng, augment, data.mean, data.std, model.dtype)  # (B, H, W, C)
-        logits = model.forward(x)                                                      # (B, K)
-        loss, dlogits = cross_entropy(logits, y_train[idx], label_smoothing)
-        if not math.isfinite(loss):
-            curve.append({"step": step, "test_acc": None, "diverged": True})
-            break
-        model.zero_grad()
-        model.backward(dlogits)
-        if clip:
-            clip_grad_norm(model, clip)
-        opt.lr = schedule(step - 1)
-        opt.step()
-        losses.append(loss)
-        if step in eval_at:
-            t_eval = time.perf_counter()
-            curve.append({"step": step, "epoch": round(step * batch_size / n, 3),
-                          "train_loss": float(np.mean(losses[-max(1, steps // 10):])),
-                          "test_acc": evaluate(model, x_test, y_test, data.mean, data.std, model.dtype)[1]})
-            eval_seconds += time.perf_counter() - t_eval
-    seconds = time.perf_counter() - start
-    accs = [r["test_acc"] for r in curve if r.get("test_acc") is not None]
-    return {"final_test_acc": accs[-1] if accs and not curve[-1].get("diverged") else None,
+    try:
+        summary = train(cfg, callback=history.append, model=model, data=data).summary
+        diverged, done = False, summary["steps"]
+        seconds, eval_seconds = summary["wall_seconds"], summary["eval_seconds"]
+    except TrainingDiverged as err:
+        diverged, done = True, err.step           # err.step steps succeeded
+        seconds, eval_seconds = time.perf_counter() - start, None
+    curve = [{"step": r["step"], "epoch": round(r["step"] * batch_size / n, 3), "train_loss": r["train_loss"],
+              "test_acc": r["val_acc"]} for r in history]
+    if diverged:
+        curve.append({"step": done + 1, "test_acc": None, "diverged": True})
+    accs = [r["test_acc"] for r in curve if r["test_acc"] is not None]
+    return {"final_test_acc": None if diverged or not accs else accs[-1],
             "best_test_acc": max(accs) if accs else None,
-            "final_train_loss": curve[-1].get("train_loss") if curve else None,
-            "diverged": bool(curve and curve[-1].get("diverged")),
-            "steps": len(losses), "batch_size": batch_size, "lr": lr, "n_train": n, "n_test": len(data.y_test),
-            "epochs": round(len(losses) * batch_size / n, 2), "seconds": round(seconds, 2),
-            "eval_seconds": round(eval_seconds, 2),
-            "seconds_per_step": round((seconds - eval_seconds) / max(len(losses), 1), 4),  # training only
+            "final_train_loss": history[-1]["train_loss"] if history else None,
+            "diverged": diverged,
+            "steps": done, "batch_size": batch_size, "lr": lr, "n_train": n, "n_test": len(data.y_test),
+            "epochs": round(done * batch_size / n, 2), "seconds": round(seconds, 2),   # epochs: images seen / n
+            "eval_seconds": None if diverged else round(eval_seconds, 2),
+            "seconds_per_step": None if diverged else round((seconds - eval_seconds) / max(done, 1), 4),  # training
             "curve": curve}
 
 

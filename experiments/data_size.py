@@ -5,7 +5,7 @@ overtake them as the data grows (ImageNet -> ImageNet-21k -> JFT-300M; JFT subse
 every model gets the same number of optimizer steps of the same batch size on each subset, so the compute
 is the same in every run and only the number of distinct images changes.
 
-    python -m experiments.data_size --quick          # Fashion-MNIST, 250 / 1000 / 4000 images, CPU, ~9 min
+    python -m experiments.data_size --quick          # Fashion-MNIST, 250 / 1000 / 4000 images, CPU, ~5 min
     python -m experiments.data_size --backend cupy   # CIFAR-10, 1k ... 50k images, GPU
 """
 

@@ -3,7 +3,7 @@
 N = HW / P^2, so halving P quadruples the sequence and attention costs grow with its square: on 32x32,
 P = 8 gives 16 patches, P = 4 gives 64 and P = 2 gives 256. Same model width and depth, same steps.
 
-    python -m experiments.patch_size --quick         # Fashion-MNIST padded to 32x32, 10000 images, CPU, ~2 min
+    python -m experiments.patch_size --quick         # Fashion-MNIST padded to 32x32, 10000 images, CPU, ~1 min
     python -m experiments.patch_size --backend cupy  # CIFAR-10, GPU
 """
 

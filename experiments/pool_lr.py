@@ -4,7 +4,7 @@
 patch tokens after the final LayerNorm, with no class token (the paper's GAP). Both are trained at
 every learning rate of the sweep, so each can be compared at its own best one.
 
-    python -m experiments.pool_lr --quick            # Fashion-MNIST, 10000 images, 4 rates, CPU, ~3 min
+    python -m experiments.pool_lr --quick            # Fashion-MNIST, 10000 images, 4 rates, CPU, ~2 min
     python -m experiments.pool_lr --backend cupy     # CIFAR-10, 5 rates, 2 seeds, GPU
 """
 

@@ -3,7 +3,7 @@
 "learned" is the 1-D table of Eq. 1; "learned2d" a row and a column table of D/2 each, concatenated;
 "sincos2d" the fixed 2-D sin-cos of MAE; "none" no position information at all (a bag of patches).
 
-    python -m experiments.pos_embed --quick          # Fashion-MNIST, 10000 images, CPU, ~3 min
+    python -m experiments.pos_embed --quick          # Fashion-MNIST, 10000 images, CPU, ~1 min
     python -m experiments.pos_embed --backend cupy   # CIFAR-10, 3 seeds, GPU
 """
 

@@ -12,7 +12,8 @@ One optimizer step, written out (see train_step below):
     optimizer.lr = schedule(step); optimizer.step()
 
 What is written to OUT: metrics.jsonl (one line per evaluation), summary.json, checkpoint.npz (model,
-optimizer, RNG states, step; written atomically at every evaluation), curves.png.
+optimizer, RNG states, step; written atomically at every evaluation), curves.png. With out=None (from
+Python) nothing is written: experiments/ call train(cfg, model=..., data=...) that way.
 
 Reproducibility: the batches of step s are a function of (seed, s) alone: epoch e = s // steps_per_epoch
 is shuffled by a generator seeded with (seed, e), and the augmentation of step s by one seeded with
@@ -91,7 +92,7 @@ class TrainConfig:
     pos_embed: str = None             # learned | learned2d | sincos2d | none (the paper's App. D.4)
     stem: str = None                  # patch | conv (the hybrid of §3.1)
     epochs: float = None
-    max_steps: int = None             # stop after this many optimizer steps (the schedule fits the run)
+    max_steps: int = None             # at most this many optimizer steps; without epochs, exactly this many
     batch_size: int = None            # images per optimizer step
     grad_accum: int = 1               # split each step into this many micro-batches (same result, less memory)
     lr: float = None
@@ -110,9 +111,10 @@ class TrainConfig:
     seed: int = 0
     backend: str = None               # numpy | cupy (default: the current backend)
     dtype: str = "float32"
-    out: str = "runs/default"
+    out: str = "runs/default"         # None: write nothing (no metrics, summary, checkpoint or plot)
     resume: bool = False
     eval_every: int = None            # evaluate every N steps (default: at the end of each epoch)
+    num_evals: int = None             # or: evaluate this many times, evenly spaced, the last at the end
     eval_batch_size: int = 500
     train_subset: int = None          # use only the first N training images (quick runs, data-size studies)
     init: str = None                  # start from pretrained weights (minivit.ViT.from_pretrained)
@@ -121,18 +123,24 @@ class TrainConfig:
     download: bool = False            # cifar10: download it when missing
     fallback: bool = False            # cifar10 unavailable: fall back to Fashion-MNIST, else shapes
     progress: bool = True             # show the tqdm progress bar
+    verbose: bool = True              # print the run's first line and one line per evaluation
     fallback_reason: str = None       # set when --fallback replaced CIFAR-10 (why it was unavailable)
 
 
 # The fields a resumed run may change; everything else comes from the checkpoint.
-RESUME_MAY_CHANGE = ("out", "resume", "progress", "backend", "eval_every", "eval_batch_size", "download",
-                     "fallback")
+RESUME_MAY_CHANGE = ("out", "resume", "progress", "verbose", "backend", "eval_every", "num_evals", "eval_batch_size",
+                     "download", "fallback")
 MODEL_FIELDS = ("img_size", "patch_size", "embed_dim", "depth", "num_heads", "mlp_ratio", "pool", "drop_rate",
                 "drop_path_rate", "pos_embed", "stem")
 
 
 class TrainingDiverged(RuntimeError):
-    """The loss became NaN or infinite; the last good checkpoint was kept."""
+    """The loss became NaN or infinite at optimizer step `step` (0-based: `step` steps had succeeded);
+    the last good checkpoint was kept."""
+
+    def __init__(self, message, step=None):
+        super().__init__(message)
+        self.step = step
 
 
 @dataclass
@@ -152,8 +160,9 @@ def resolve(cfg):
     if cfg.recipe not in RECIPES:
         raise ValueError(f"unknown recipe {cfg.recipe!r}; choose one of {sorted(RECIPES)}")
     values = dataclasses.asdict(cfg)
+    steps_only = cfg.max_steps is not None and cfg.epochs is None   # max_steps alone: exactly that many
     for key, value in RECIPES[cfg.recipe].items():
-        if values.get(key) is None:
+        if values.get(key) is None and not (key == "epochs" and steps_only):
             values[key] = value
     r = TrainConfig(**values)
     if r.model not in presets:
@@ -185,6 +194,10 @@ def resolve(cfg):
         raise ValueError(f"random_erasing must be a probability in [0, 1], got {r.random_erasing!r}")
     if r.eval_every is not None and (not isinstance(r.eval_every, int) or r.eval_every < 1):
         raise ValueError(f"eval_every must be a positive int, got {r.eval_every!r}")
+    if r.num_evals is not None and (not isinstance(r.num_evals, int) or r.num_evals < 1):
+        raise ValueError(f"num_evals must be a positive int, got {r.num_evals!r}")
+    if r.eval_every is not None and r.num_evals is not None:
+        raise ValueError(f"give eval_every or num_evals, not both (got {r.eval_every!r} and {r.num_evals!r})")
     if r.backend is not None and r.backend not in backend.BACKENDS:
         raise ValueError(f"backend must be one of {backend.BACKENDS}, got {r.backend!r}")
     return r
@@ -370,15 +383,22 @@ def _write_json_atomic(path, obj):
     os.replace(tmp, path)
 
 
-def train(cfg, callback=None, model=None):
-    """Run training as cfg says. callback(record), if given, is called after each evaluation with the
-    metrics dict. Returns a TrainResult (model, history, summary, out)."""
+def train(cfg, callback=None, model=None, data=None):
+    """Run training as cfg (a TrainConfig) says. Returns a TrainResult (model, history, summary, out).
+
+    callback(record), if given, is called after each evaluation with its metrics dict. model: train this
+    model (a ViT, or any minivit Classifier such as conv.ResNet) instead of building cfg's. data: train on
+    this minivit.data.Dataset (e.g. a subset) instead of loading cfg.dataset. For experiments: max_steps
+    without epochs runs exactly that many steps, num_evals evaluates that many times evenly spaced, and
+    out=None writes no file. A NaN or infinite loss raises TrainingDiverged (its .step says when)."""
     if not isinstance(cfg, TrainConfig):
         raise TypeError(f"cfg must be a TrainConfig, got {type(cfg).__name__}")
     out = cfg.out
-    ckpt_path = os.path.join(out, "checkpoint.npz")
+    ckpt_path = None if out is None else os.path.join(out, "checkpoint.npz")
     resumed = None
     if cfg.resume:
+        if out is None:
+            raise ValueError("resume needs out: the folder that holds checkpoint.npz")
         if not os.path.exists(ckpt_path):
             raise FileNotFoundError(f"--resume: no checkpoint at {ckpt_path!r} (train into --out {out!r} first)")
         resumed = load_checkpoint(ckpt_path)
@@ -389,7 +409,10 @@ def train(cfg, callback=None, model=None):
         cfg = TrainConfig(**saved)
     if cfg.backend:
         backend.set_backend(cfg.backend)
-    data, cfg = prepare_data(cfg)
+    if data is None:
+        data, cfg = prepare_data(cfg)
+    else:
+        cfg = dataclasses.replace(cfg, dataset=data.name)     # the recipe defaults follow the data given
     cfg = resolve(cfg)
     if cfg.img_size is not None and data.image_shape[:2] != _pair(cfg.img_size):
         data = dataclasses.replace(data, x_train=resize_images(data.x_train, _pair(cfg.img_size)),
@@ -408,6 +431,7 @@ def train(cfg, callback=None, model=None):
 
     given_model = model is not None
     model = model if given_model else build_model(cfg, data)
+    model.train()                                   # a model given in eval mode would train without dropout
     optimizer = build_optimizer(cfg, model)
     step, best, history = 0, 0.0, []
     if resumed is not None:
@@ -418,16 +442,21 @@ def train(cfg, callback=None, model=None):
         step, best = extra["step"], extra["best_val_accuracy"]
         history = _read_history(os.path.join(out, "metrics.jsonl"))
         print(f"resuming {ckpt_path} at step {step} of {total_steps}", flush=True)
-    os.makedirs(out, exist_ok=True)
-    if resumed is None and os.path.exists(os.path.join(out, "metrics.jsonl")):
-        os.remove(os.path.join(out, "metrics.jsonl"))   # a fresh run starts a fresh log
+    if out is not None:
+        os.makedirs(out, exist_ok=True)
+        if resumed is None and os.path.exists(os.path.join(out, "metrics.jsonl")):
+            os.remove(os.path.join(out, "metrics.jsonl"))   # a fresh run starts a fresh log
 
     # the whole data set goes to the backend once (on CuPy it then lives on the GPU)
     dev = model.backend
     x_train, y_train = backend.asarray(data.x_train, backend=dev), backend.asarray(data.y_train, backend=dev)
     x_test, y_test = backend.asarray(data.x_test, backend=dev), backend.asarray(data.y_test, backend=dev)
-    eval_steps = set(range(steps_per_epoch, total_steps + 1, steps_per_epoch)) if not cfg.eval_every else \
-        set(range(cfg.eval_every, total_steps + 1, cfg.eval_every))
+    if cfg.num_evals:      # e.g. 4 evaluations of 150 steps: after steps 37, 75, 112 and 150
+        eval_steps = {max(1, total_steps * (i + 1) // cfg.num_evals) for i in range(cfg.num_evals)}
+    elif cfg.eval_every:
+        eval_steps = set(range(cfg.eval_every, total_steps + 1, cfg.eval_every))
+    else:
+        eval_steps = set(range(steps_per_epoch, total_steps + 1, steps_per_epoch))
     eval_steps.add(total_steps)
 
     def save(at_step):
@@ -435,13 +464,16 @@ def train(cfg, callback=None, model=None):
                  "classes": data.classes, "mean": list(data.mean), "std": list(data.std), "dataset": data.name}
         save_checkpoint(ckpt_path, model, optimizer, extra)
 
-    name = "a model given to train()" if given_model else (f"from {cfg.init}" if cfg.init else cfg.model)
-    print(f"training {model.num_params():,}-parameter ViT ({name}: D={model.config.embed_dim}, "
-          f"depth={model.config.depth}, patch={model.config.patch_size}, img={model.config.img_size}) on "
-          f"{data.name} ({n_train} images, {data.num_classes} classes) with {backend.get_backend()}, "
-          f"{total_steps} steps of batch {cfg.batch_size}", flush=True)
+    if cfg.verbose:
+        name = "a model given to train()" if given_model else (f"from {cfg.init}" if cfg.init else cfg.model)
+        c = model.config
+        shape = (f"D={c.embed_dim}, depth={c.depth}, patch={c.patch_size}, img={c.img_size}"
+                 if isinstance(c, ViTConfig) else model.extra_repr())
+        print(f"training {model.num_params():,}-parameter {type(model).__name__} ({name}: {shape}) on "
+              f"{data.name} ({n_train} images, {data.num_classes} classes) with {backend.get_backend()}, "
+              f"{total_steps} steps of batch {cfg.batch_size}", flush=True)
     start_time, start_step = time.perf_counter(), step
-    run_loss, run_correct, run_seen, interrupted = 0.0, 0, 0, False
+    run_loss, run_correct, run_seen, interrupted, eval_seconds = 0.0, 0, 0, False, 0.0
     bar = tqdm(total=total_steps, initial=step, disable=not cfg.progress, unit="step", dynamic_ncols=True,
                desc=f"{data.name}")
     with _StopFlag() as flag:
@@ -452,10 +484,10 @@ def train(cfg, callback=None, model=None):
             loss, correct, _ = train_step(model, optimizer, x, y, cfg)
             if not math.isfinite(loss):
                 bar.close()
-                raise TrainingDiverged(
-                    f"the loss became {loss} at step {step} (lr {optimizer.lr:.3g}); stopping. The last good "
-                    f"checkpoint is kept at {ckpt_path}" + ("" if os.path.exists(ckpt_path) else " (none yet)")
-                    + ". Try a lower --lr, a longer warm-up or --clip-grad 1.0.")
+                kept = "" if ckpt_path is None else (f" The last good checkpoint is kept at {ckpt_path}"
+                                                     + ("" if os.path.exists(ckpt_path) else " (none yet)") + ".")
+                raise TrainingDiverged(f"the loss became {loss} at step {step} (lr {optimizer.lr:.3g}); stopping."
+                                       f"{kept} Try a lower --lr, a longer warm-up or --clip-grad 1.0.", step=step)
             step += 1
             run_loss += loss * x.shape[0]
             run_correct += correct
@@ -465,43 +497,51 @@ def train(cfg, callback=None, model=None):
             bar.update(1)
             bar.set_postfix(loss=f"{loss:.3f}", acc=f"{correct / x.shape[0]:.2f}", img_s=f"{ips:.0f}")
             if step in eval_steps or flag.stop:
+                eval_start = time.perf_counter()
                 val_loss, val_acc = evaluate(model, x_test, y_test, data.mean, data.std, cfg.dtype,
                                              cfg.eval_batch_size)
+                eval_seconds += time.perf_counter() - eval_start
                 best = max(best, val_acc)
                 record = {"step": step, "epoch": round(step / steps_per_epoch, 4),
                           "train_loss": run_loss / max(run_seen, 1), "train_acc": run_correct / max(run_seen, 1),
                           "val_loss": val_loss, "val_acc": val_acc, "lr": optimizer.lr,
                           "images_per_second": ips, "wall_seconds": elapsed}
                 history.append(record)
-                _append_jsonl(os.path.join(out, "metrics.jsonl"), record)
-                save(step)
-                bar.write(f"epoch {record['epoch']:.2f} step {step}: train loss {record['train_loss']:.4f} "
-                          f"acc {record['train_acc']:.2%} | val loss {val_loss:.4f} acc {val_acc:.2%} | "
-                          f"{ips:.0f} img/s")
+                if out is not None:
+                    _append_jsonl(os.path.join(out, "metrics.jsonl"), record)
+                    save(step)
+                if cfg.verbose:
+                    bar.write(f"epoch {record['epoch']:.2f} step {step}: train loss {record['train_loss']:.4f} "
+                              f"acc {record['train_acc']:.2%} | val loss {val_loss:.4f} acc {val_acc:.2%} | "
+                              f"{ips:.0f} img/s")
                 run_loss, run_correct, run_seen = 0.0, 0, 0
                 if callback is not None:
                     callback(record)
             if flag.stop:
                 interrupted = True
-                bar.write(f"interrupted at step {step}: checkpoint saved to {ckpt_path}; continue with --resume")
+                where = "no checkpoint (out=None)" if ckpt_path is None else \
+                    f"checkpoint saved to {ckpt_path}; continue with --resume"
+                bar.write(f"interrupted at step {step}: {where}")
                 break
     bar.close()
     wall = time.perf_counter() - start_time
     summary = {"best_val_accuracy": best, "final_val_accuracy": history[-1]["val_acc"] if history else None,
                "final_val_loss": history[-1]["val_loss"] if history else None,
                "steps": step, "total_steps": total_steps, "epochs": round(step / steps_per_epoch, 4),
-               "wall_seconds": wall, "images_per_second": (step - start_step) * cfg.batch_size / max(wall, 1e-9),
+               "wall_seconds": wall, "eval_seconds": eval_seconds,
+               "images_per_second": (step - start_step) * cfg.batch_size / max(wall, 1e-9),
                "interrupted": interrupted, "backend": backend.get_backend(), "dataset": data.name,
                "num_params": model.num_params(), "config": model.config.to_dict(),
                "train_config": dataclasses.asdict(cfg)}
-    _write_json_atomic(os.path.join(out, "summary.json"), summary)
-    if history:
-        try:
-            from .plot import plot_curves
+    if out is not None:
+        _write_json_atomic(os.path.join(out, "summary.json"), summary)
+        if history:
+            try:
+                from .plot import plot_curves
 
-            plot_curves(out, os.path.join(out, "curves.png"))
-        except ImportError:  # matplotlib missing: the numbers are in metrics.jsonl
-            pass
+                plot_curves(out, os.path.join(out, "curves.png"))
+            except ImportError:  # matplotlib missing: the numbers are in metrics.jsonl
+                pass
     return TrainResult(model, history, summary, out)
 
 
@@ -533,7 +573,7 @@ def _parser():
                        ("num-heads", int), ("mlp-ratio", float), ("drop-rate", float), ("drop-path-rate", float),
                        ("epochs", float), ("max-steps", int), ("batch-size", int), ("lr", float),
                        ("weight-decay", float), ("warmup-epochs", float), ("warmup-steps", int),
-                       ("label-smoothing", float), ("clip-grad", float), ("eval-every", int),
+                       ("label-smoothing", float), ("clip-grad", float), ("eval-every", int), ("num-evals", int),
                        ("train-subset", int)):
         p.add_argument(f"--{name}", type=kind)
     p.add_argument("--pool", choices=("cls", "gap"))

@@ -103,6 +103,8 @@ def test_gradient_accumulation_gives_the_same_step(tmp_path):
     (dict(batch_size=1000), "batch_size 1000 is larger than the 256 training images"),
     (dict(lr=-1.0), "lr must be > 0"),
     (dict(model="vit_gigantic"), "unknown model preset 'vit_gigantic'"),
+    (dict(num_evals=0), "num_evals must be a positive int, got 0"),
+    (dict(eval_every=4, num_evals=2), "give eval_every or num_evals, not both"),
 ])
 def test_bad_settings_are_refused_by_name(tmp_path, kw, match):
     with pytest.raises(ValueError, match=match):
