@@ -13,7 +13,10 @@ What is measured. The same ViT is built in minivit and in timm, with minivit's w
 The two libraries are ALTERNATED in one process (minivit, torch, then torch, minivit, ...) after
 warm-up steps, and the reported ratio is the median over rounds of minivit's time / PyTorch's time in
 the same round: on a shared machine the load changes from one second to the next, and alternation
-exposes both to the same load. Times are wall-clock; on the GPU each step ends with a synchronisation
+exposes both to the same load. Each library runs --block calls in a row (3) and the first is not timed:
+both libraries leave threads spinning for a while after their work (OpenBLAS, OpenMP), and the first call
+after a switch would be timed while the other's threads still hold the cores; the rest are steady state,
+as in a training loop. Times are wall-clock; on the GPU each step ends with a synchronisation
 of the device. The CPU time of the process is recorded too (a steadier number when the machine is busy).
 
 Threads: PyTorch gets as many threads as NumPy's BLAS uses (torch.set_num_threads), or --threads N sets
@@ -65,9 +68,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # minivit from this checkout, without installing it
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import minivit  # noqa: E402  (before NumPy: it sets OpenBLAS's idle threads to sleep, minivit/_blas_env.py)
 import numpy as np  # noqa: E402
-
-import minivit  # noqa: E402
 from minivit import backend, convert, kernels  # noqa: E402
 from minivit.optim import AdamW  # noqa: E402
 
@@ -192,6 +194,7 @@ def machine_info(torch):
         numba=getattr(kernels.numba, "__version__", None), numba_threading_layer=_numba_layer(),
         minivit_revision=git_revision(), blas=info, blas_read_with=blas_how,
         torch_threads=torch.get_num_threads(), minivit_kernel_threads=kernels.num_threads(),
+        minivit_attention_threads=kernels._attention_workers(),
         fast_kernels=backend.fast_kernels_enabled(),
         env={k: v for k, v in os.environ.items()
              if k.startswith(("OPENBLAS", "OMP_", "MKL_", "MINIVIT_", "NUMBA_", "CUPY_", "NVIDIA_TF32", "GOTO",
@@ -328,8 +331,11 @@ class Pair:
         return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
 
 
-def alternate(pair, warmup, repeats):
-    """Time train steps and optimizer steps of both, alternating the order each round."""
+def alternate(pair, warmup, repeats, block=3):
+    """Time train steps and optimizer steps of both, alternating the order each round. Each library runs
+    `block` calls back to back and the first is not timed: both libraries leave threads spinning for a
+    while after their work (OpenBLAS, OpenMP), and the first call after a switch would be timed while
+    the other's threads still hold the cores. The others are steady state, as in a training loop."""
     names = ("minivit_step", "torch_step", "minivit_opt", "torch_opt")
     wall = {k: [] for k in names}
     cpu = {k: [] for k in names}
@@ -341,14 +347,19 @@ def alternate(pair, warmup, repeats):
             for lib in order:
                 key = f"{lib}_{what}"
                 fn, sync = fns[key]
-                sync()
-                c0, t0 = time.process_time(), time.perf_counter()
-                fn()
-                sync()
-                t1, c1 = time.perf_counter(), time.process_time()
+                walls, cpus = [], []
+                for i in range(max(block, 2)):
+                    sync()
+                    c0, t0 = time.process_time(), time.perf_counter()
+                    fn()
+                    sync()
+                    t1, c1 = time.perf_counter(), time.process_time()
+                    if i > 0:
+                        walls.append(t1 - t0)
+                        cpus.append(c1 - c0)
                 if r >= warmup:
-                    wall[key].append(t1 - t0)
-                    cpu[key].append(c1 - c0)
+                    wall[key].append(statistics.median(walls))
+                    cpu[key].append(statistics.median(cpus))
     return wall, cpu
 
 
@@ -496,10 +507,10 @@ def memory(pair):
 # ==================================================================================================
 
 def run_config(torch, name, config, batch, device, warmup, repeats, rates, with_memory=True, with_profile=False,
-               profile_repeats=3):
+               profile_repeats=3, block=3):
     pair = Pair(torch, config, batch, device)
     agreement = pair.logits_agreement()
-    wall, cpu = alternate(pair, warmup, repeats)
+    wall, cpu = alternate(pair, warmup, repeats, block)
     med = {k: statistics.median(v) for k, v in wall.items()}
     ratios = {what: statistics.median(m / t for m, t in zip(wall[f"minivit_{what}"], wall[f"torch_{what}"]))
               for what in ("step", "opt")}
@@ -584,6 +595,8 @@ def main(argv=None):
     ap.add_argument("--sweep-batch", type=int, default=16)
     ap.add_argument("--no-profile", action="store_true", help="skip the per-layer profile")
     ap.add_argument("--no-memory", action="store_true")
+    ap.add_argument("--block", type=int, default=3,
+                    help="calls of one library in a row per round; the first is not timed (default 3)")
     ap.add_argument("--out", default=None, help="folder for the JSON (default benchmarks/results, or $OUT)")
     args = ap.parse_args(argv)
 
@@ -631,7 +644,8 @@ def main(argv=None):
         for i, (name, config, b, mem) in enumerate(runs):
             r = run_config(torch, name, config, b, device, args.warmup, args.repeats if i == 0 or mem else
                            max(3, args.repeats - 2), rates[device], with_memory=mem and not args.no_memory,
-                           with_profile=(i == 0 and not args.no_profile))
+                           with_profile=(i == 0 and not args.no_profile),
+                           block=args.block)
             results.append(r)
             if "profile" in r:
                 profiles[f"{name} {device} batch {b}"] = r["profile"]

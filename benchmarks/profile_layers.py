@@ -25,9 +25,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: minivit without installing
 
+import minivit  # noqa: E402  (before NumPy: see minivit/_blas_env.py)
 import numpy as np  # noqa: E402
-
-import minivit  # noqa: E402
 from minivit import backend  # noqa: E402
 
 CLOCK = time.perf_counter  # wall clock; --clock process switches to the CPU time (one thread only)

@@ -7,6 +7,7 @@
     model.zero_grad(); model.backward(dlogits)      # fills model.grads
 """
 
+from . import _blas_env  # noqa: F401  (first: a setting NumPy's BLAS reads when NumPy is imported)
 from .backend import (asarray, backend_module, get_array_module, get_backend, gpu_available, set_backend,
                       to_numpy)
 from .checkpoint import load_model

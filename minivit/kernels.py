@@ -18,7 +18,9 @@ does instead is one pass per forward or backward ("fusion"):
   library's versions are called one value at a time, which stops the loop from being vectorised. Rows
   of a reduction that crosses rows (LayerNorm's dweight) are summed in fixed groups, then the groups in
   order, so every result is the same to the bit whatever the number of threads.
-  Without Numba installed the CPU runs the reference lines (correct, several times slower).
+  Attention runs its small matrix products with NumPy (BLAS) and its softmax in Numba, in chunks of
+  images (see its section). Without Numba installed the CPU runs the reference lines (correct, several
+  times slower).
 - CuPy: one fused kernel per forward or backward: a ``cupy.ElementwiseKernel`` for GELU, a ``RawKernel``
   with one thread block per row for the row-wise LayerNorm and softmax. Compiled on first use.
 
@@ -30,6 +32,8 @@ import math
 import os
 
 import numpy
+
+from ._blas_env import IDLE_BLAS_THREADS_SLEEP
 
 try:
     import numba
@@ -72,12 +76,39 @@ if HAVE_NUMBA:
     if "NUMBA_THREADING_LAYER" not in os.environ:
         numba.config.THREADING_LAYER = "workqueue"
     prange = numba.prange
-    _kernel = numba.njit(parallel=True, fastmath=_FASTMATH, cache=True)     # a loop shared among cores
-    _serial = numba.njit(fastmath=_FASTMATH, cache=True)                    # a small loop, one core
-    _inline = numba.njit(inline="always", fastmath=_FASTMATH, cache=True)   # a helper, pasted in place
+    _jit = dict(fastmath=_FASTMATH, error_model="numpy", cache=True)  # numpy: x / 0 is inf, no check
+    _in_thread = numba.njit(nogil=True, **_jit)                               # one core, run by a Python
+    #                                                                          thread of ours (GIL released)
+    _inline = numba.njit(inline="always", **_jit)                             # a helper, pasted in place
 else:  # plain Python stand-ins, so the module still imports (these are never called without Numba)
     prange = range
-    _kernel = _serial = _inline = lambda fn: fn
+    _in_thread = _inline = lambda fn: fn
+
+PARALLEL_MIN = 1 << 18  # values: below this a kernel runs on one core (waking the others costs ~0.1 ms)
+
+
+class _kernel:
+    """A loop compiled twice: with prange shared among the cores, and (a copy of the same function,
+    prange then meaning range) on one core, for small arrays, where waking the other threads would take
+    longer than the work. Called like the function; the size of its first argument chooses."""
+
+    def __init__(self, fn):
+        import types
+
+        self.__name__, self.__doc__ = fn.__name__, fn.__doc__
+        if not HAVE_NUMBA:
+            self.parallel = self.serial = fn
+            return
+        one_core = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__ + "_one_core")
+        one_core.__qualname__ = fn.__qualname__ + "_one_core"   # its own entry in Numba's disk cache
+        self.parallel = numba.njit(parallel=True, **_jit)(fn)
+        self.serial = numba.njit(**_jit)(one_core)
+
+    def __call__(self, *args):
+        if args[0].size >= PARALLEL_MIN:
+            _use_threads()
+            return self.parallel(*args)
+        return self.serial(*args)
 
 f32 = numpy.float32
 _threads_set = None
@@ -129,7 +160,8 @@ _E0, _E1, _E2, _E3, _E4, _E5 = _EXP_C
 
 @_inline
 def _exp32(x):
-    x = min(max(x, f32(-87.3)), f32(88.7))                      # the float32 range (NaN passes through)
+    x = f32(88.7) if x > f32(88.7) else (f32(-87.3) if x < f32(-87.3) else x)  # float32's range; NaN stays
+    #   (written with comparisons: min() and max() stop the loop being vectorised outside prange)
     k = math.floor(x * _LOG2E + f32(0.5))                       # nearest integer to x / ln 2
     r = x - k * _LN2_HI - k * _LN2_LO                            # |r| <= ln2 / 2
     p = ((((_E0 * r + _E1) * r + _E2) * r + _E3) * r + _E4) * r + _E5
@@ -152,7 +184,7 @@ _Q0, _Q1, _Q2, _Q3, _Q4 = _ERF_Q
 
 @_inline
 def _erf32(z):
-    z = min(max(z, f32(-4.0)), f32(4.0))
+    z = f32(4.0) if z > f32(4.0) else (f32(-4.0) if z < f32(-4.0) else z)
     z2 = z * z
     p = (((((_P0 * z2 + _P1) * z2 + _P2) * z2 + _P3) * z2 + _P4) * z2 + _P5) * z2 + _P6
     q = (((_Q0 * z2 + _Q1) * z2 + _Q2) * z2 + _Q3) * z2 + _Q4
@@ -204,7 +236,6 @@ def _gelu_tanh_bwd(x, dout, dx):
 
 
 def _gelu_cpu(x, dout, approximate):
-    _use_threads()
     xf = _flat(x)
     out = numpy.empty_like(xf)
     if approximate == "erf":
@@ -260,7 +291,6 @@ def _layernorm_bwd(dout, xhat, rstd, weight, dx, dweight_parts, dbias_parts):
 
 
 def _layernorm_forward_cpu(x, weight, bias, eps):
-    _use_threads()
     x2 = _rows(x)                                              # (R, D), R = all leading axes
     R, D = x2.shape
     y, xhat = numpy.empty_like(x2), numpy.empty_like(x2)      # (R, D)
@@ -270,7 +300,6 @@ def _layernorm_forward_cpu(x, weight, bias, eps):
 
 
 def _layernorm_backward_cpu(dout, cache):
-    _use_threads()
     xhat, rstd, weight = cache
     xh2, d2 = _rows(xhat), _rows(dout)                         # (R, D) each
     R, D = d2.shape
@@ -332,7 +361,6 @@ def _softmax_bwd(dout, s, dx):  # (R, n) each: dx = s (dout - sum_j dout_j s_j)
 
 
 def _softmax_forward_cpu(x):
-    _use_threads()
     x2 = _rows(x)
     y = numpy.empty_like(x2)
     if x2.size:
@@ -342,7 +370,6 @@ def _softmax_forward_cpu(x):
 
 
 def _softmax_backward_cpu(dout, s):
-    _use_threads()
     d2 = _rows(dout)
     dx = numpy.empty_like(d2)
     _softmax_bwd(d2, _rows(s), dx)
@@ -357,14 +384,68 @@ def _softmax_backward_cpu(dout, s):
 # backward recomputes the weights from it, p_ij = exp(s_ij - lse_i), inside its softmax-backward kernel,
 # as FlashAttention does: one more q k^T product, and no (B, nh, N, N) array held between the passes
 # (PyTorch's scaled_dot_product_attention makes the same trade).
+#
+# Threads: each head's products are small (N x hs times hs x N), too small for BLAS to share one among
+# the cores (it tries, and mostly waits). So the chunks are shared instead: num_threads() Python threads
+# each take whole chunks, with BLAS set to one thread meanwhile (threadpoolctl); NumPy's matmul and the
+# Numba kernels (nogil) release the GIL, so the threads really run at once. This needs OpenBLAS's own
+# idle threads to sleep rather than spin (minivit/_blas_env.py): otherwise they hold the cores and the
+# threads gain nothing. Measured on 2 cores, CIFAR model, batch 64: a training step 395 -> 345 ms.
+# Tried and dropped: the per-head products as Numba loops (2.2x slower than BLAS).
 
-CHUNK_BYTES = 512 * 1024  # a chunk's (b, nh, N, N) scores: about this many bytes (fits in L2 beside q, k, v)
+CHUNK_BYTES = 512 * 1024  # a chunk's (b, nh, N, N) scores: at most about this many bytes (fits in L2)
+THREADED_ATTENTION = None  # None: when it helps (see above); True / False: always / never (for tests)
+
+try:
+    import threadpoolctl
+except ImportError:  # then the chunks run one after the other, BLAS with its own threads
+    threadpoolctl = None
+
+_chunk_pool = None   # the worker threads, made on first use
+_blas_control = None
 
 
-@_kernel
+def _attention_workers():
+    """How many threads share attention's chunks."""
+    threaded = THREADED_ATTENTION
+    if threaded is None:
+        threaded = IDLE_BLAS_THREADS_SLEEP
+    return num_threads() if threaded and threadpoolctl is not None else 1
+
+
+def _chunks(B, nh, N, itemsize, workers):
+    """[(b0, b1), ...] covering range(B): each chunk's scores at most CHUNK_BYTES (one image at least),
+    and a multiple of `workers` chunks of about equal size, so the threads finish together."""
+    most = max(1, CHUNK_BYTES // (nh * N * N * itemsize))             # images per chunk, at most
+    n = -(-B // most)
+    n = min(B, -(-n // workers) * workers)                            # a multiple of the workers
+    rows = -(-B // n)
+    return [(b, min(b + rows, B)) for b in range(0, B, rows)]
+
+
+def _run_chunks(work, B, nh, N, itemsize):
+    """work(b0, b1) for every chunk: on this thread, or shared among _attention_workers() threads."""
+    global _chunk_pool, _blas_control
+    workers = _attention_workers()
+    chunks = _chunks(B, nh, N, itemsize, workers)
+    if workers == 1 or len(chunks) == 1:
+        for b0, b1 in chunks:
+            work(b0, b1)
+        return
+    if _chunk_pool is None or _chunk_pool._max_workers != workers:
+        from concurrent.futures import ThreadPoolExecutor
+        _chunk_pool = ThreadPoolExecutor(workers, thread_name_prefix="minivit-attention")
+    if _blas_control is None:
+        _blas_control = threadpoolctl.ThreadpoolController()
+    with _blas_control.limit(limits=1, user_api="blas"):
+        for f in [_chunk_pool.submit(work, b0, b1) for b0, b1 in chunks]:
+            f.result()                                                # (re-raises a worker's error)
+
+
+@_in_thread
 def _softmax_lse(s, scale, lse):  # s: (R, N) raw scores q.k, in place -> p; lse: (R,)
     R, N = s.shape
-    for r in prange(R):
+    for r in range(R):
         sr = s[r]
         m = _row_max(sr) * scale                                          # scale > 0: max of scale q.k
         for j in range(N):
@@ -378,10 +459,10 @@ def _softmax_lse(s, scale, lse):  # s: (R, N) raw scores q.k, in place -> p; lse
         lse[r] = m + math.log(total)                                      # log sum_j exp(scale q_i.k_j)
 
 
-@_kernel
+@_in_thread
 def _softmax_lse_bwd(s, dp, lse, scale):  # s: raw scores (R, N) -> p; dp: dL/dp (R, N) -> scale * dL/ds
     R, N = s.shape
-    for r in prange(R):
+    for r in range(R):
         sr, dpr = s[r], dp[r]
         for j in range(N):
             sr[j] = _exp32(sr[j] * scale - lse[r])                        # p_ij, recomputed
@@ -390,11 +471,6 @@ def _softmax_lse_bwd(s, dp, lse, scale):  # s: raw scores (R, N) -> p; dp: dL/dp
             delta += sr[j] * dpr[j]                                       # sum_j p_ij dp_ij
         for j in range(N):
             dpr[j] = sr[j] * (dpr[j] - delta) * scale                     # ds_ij, times d(scale q.k)/d(q.k)
-
-
-def _chunks(B, nh, N, itemsize):
-    rows = max(1, CHUNK_BYTES // (nh * N * N * itemsize))              # images per chunk
-    return [(b, min(b + rows, B)) for b in range(0, B, rows)]
 
 
 def _heads(a, num_heads):
@@ -409,7 +485,6 @@ def cpu_attention(x):
 
 
 def _attention_forward_cpu(qkv, num_heads):
-    _use_threads()
     B, N, D3 = qkv.shape
     D = D3 // 3
     q, k, v = (_heads(qkv[..., i * D:(i + 1) * D], num_heads) for i in range(3))   # (B, nh, N, hs) views
@@ -417,15 +492,17 @@ def _attention_forward_cpu(qkv, num_heads):
     out = numpy.empty((B, N, D), qkv.dtype)                      # (B, N, D), heads side by side
     lse = numpy.empty((B, num_heads, N), qkv.dtype)              # (B, nh, N)
     out_heads = _heads(out, num_heads)                           # (B, nh, N, hs) view of out
-    for b0, b1 in _chunks(B, num_heads, N, qkv.itemsize):
+
+    def chunk(b0, b1):
         s = q[b0:b1] @ k[b0:b1].swapaxes(-1, -2)                 # (b, nh, N, N)  q.k
         _softmax_lse(s.reshape(-1, N), scale, lse[b0:b1].reshape(-1))   # s -> attention weights p
         numpy.matmul(s, v[b0:b1], out=out_heads[b0:b1])          # (b, nh, N, hs)  p v, into place
+
+    _run_chunks(chunk, B, num_heads, N, qkv.itemsize)
     return out, AttentionCache(qkv, lse, num_heads)
 
 
 def _attention_backward_cpu(dout, cache):
-    _use_threads()
     qkv, lse, num_heads = cache
     B, N, D3 = qkv.shape
     D = D3 // 3
@@ -434,7 +511,8 @@ def _attention_backward_cpu(dout, cache):
     dqkv = numpy.empty_like(qkv)                                 # (B, N, 3D), every value written
     dq, dk, dv = (_heads(dqkv[..., i * D:(i + 1) * D], num_heads) for i in range(3))
     dctx = _heads(dout, num_heads)                               # (B, nh, N, hs)
-    for b0, b1 in _chunks(B, num_heads, N, qkv.itemsize):
+
+    def chunk(b0, b1):
         c = slice(b0, b1)
         s = q[c] @ k[c].swapaxes(-1, -2)                         # (b, nh, N, N)  q.k, again
         dp = dctx[c] @ v[c].swapaxes(-1, -2)                     # (b, nh, N, N)  dL/dp = dctx v^T
@@ -442,6 +520,8 @@ def _attention_backward_cpu(dout, cache):
         numpy.matmul(s.swapaxes(-1, -2), dctx[c], out=dv[c])     # dv = p^T dctx
         numpy.matmul(dp, k[c], out=dq[c])                        # dq = ds k
         numpy.matmul(dp.swapaxes(-1, -2), q[c], out=dk[c])       # dk = ds^T q
+
+    _run_chunks(chunk, B, num_heads, N, qkv.itemsize)
     return dqkv
 
 
@@ -467,7 +547,6 @@ def cpu_adamw(*arrays):
 def adamw_update(p, g, m, v, lr, b1, b2, eps, weight_decay, bias_c1, bias_c2):
     """One AdamW step of one parameter, in place (p, m, v), as optim.AdamW.step's reference lines.
     Every constant is worked out in float64 and rounded once (1 - b2 from a rounded b2 would be 1.3e-5 off)."""
-    _use_threads()
     _adamw(p.reshape(-1), g.reshape(-1), m.reshape(-1), v.reshape(-1), f32(1.0 - lr * weight_decay),
            f32(b1), f32(b2), f32(1.0 - b1), f32(1.0 - b2), f32(lr / bias_c1), f32(1.0 / math.sqrt(bias_c2)), f32(eps))
 

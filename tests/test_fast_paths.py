@@ -7,6 +7,8 @@ inputs of awkward shapes (rows that do not fill a block, rows longer than a bloc
 The GPU tests are skipped without CuPy and a GPU (`pytest tests/test_fast_paths.py` on a GPU machine).
 """
 
+import os
+
 import numpy as np
 import pytest
 import scipy.special
@@ -192,10 +194,41 @@ def test_fused_attention_takes_a_strided_qkv_and_chunks_of_any_size(rng, monkeyp
     dout = rng.standard_normal((B, N, D)).astype(np.float32)
     out64, cache64 = ref64(lambda a: F.attention_forward(a, nh), qkv)
     dqkv64 = ref64(lambda d: F.attention_backward(d, cache64), dout)
-    for chunk_images in (1, 3, 7, 100):                                    # chunks that do and do not divide B
-        monkeypatch.setattr(kernels, "CHUNK_BYTES", chunk_images * nh * N * N * 4)
-        out, cache = F.attention_forward(qkv, nh)
-        assert rel(out, out64) < 2e-6 and rel(F.attention_backward(dout, cache), dqkv64) < 2e-6
+    results = []
+    for threaded in (False, True):                                         # one thread, or the chunks shared
+        monkeypatch.setattr(kernels, "THREADED_ATTENTION", threaded)
+        monkeypatch.setenv("MINIVIT_NUM_THREADS", "2")
+        for chunk_images in (1, 3, 7, 100):                                # chunks that do and do not divide B
+            monkeypatch.setattr(kernels, "CHUNK_BYTES", chunk_images * nh * N * N * 4)
+            out, cache = F.attention_forward(qkv, nh)
+            dqkv = F.attention_backward(dout, cache)
+            assert rel(out, out64) < 2e-6 and rel(dqkv, dqkv64) < 2e-6
+            results.append((out, cache[1], dqkv))
+    for r in results[1:]:                                                  # and the same bits every way
+        for a, b in zip(results[0], r):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_attention_chunks_cover_the_batch_in_equal_shares():
+    for B, nh, N, workers in [(64, 3, 65, 2), (7, 2, 9, 2), (1, 12, 197, 2), (5, 1, 4, 3), (64, 3, 65, 1)]:
+        chunks = kernels._chunks(B, nh, N, 4, workers)
+        assert chunks[0][0] == 0 and chunks[-1][1] == B
+        assert all(a[1] == b[0] for a, b in zip(chunks, chunks[1:]))      # contiguous, no overlap
+        sizes = [b - a for a, b in chunks]
+        assert max(sizes) * nh * N * N * 4 <= max(kernels.CHUNK_BYTES, nh * N * N * 4)
+        if workers > 1 and B >= workers:
+            assert len(chunks) % workers == 0 or len(chunks) == B
+
+
+def test_threaded_attention_is_chosen_only_when_blas_threads_sleep(monkeypatch):
+    monkeypatch.setenv("MINIVIT_NUM_THREADS", "2")
+    monkeypatch.setattr(kernels, "THREADED_ATTENTION", None)
+    monkeypatch.setattr(kernels, "IDLE_BLAS_THREADS_SLEEP", False)
+    assert kernels._attention_workers() == 1
+    monkeypatch.setattr(kernels, "IDLE_BLAS_THREADS_SLEEP", True)
+    assert kernels._attention_workers() == (2 if kernels.threadpoolctl else 1)
+    monkeypatch.setattr(kernels, "THREADED_ATTENTION", False)
+    assert kernels._attention_workers() == 1
 
 
 def test_attention_layer_shows_its_weights_from_either_cache(rng, reference):
@@ -255,9 +288,13 @@ def test_threads_give_the_same_numbers(rng, monkeypatch):
         return (out, *F.layernorm_backward(dout, cache), g, F.gelu_backward(dout, gcache), s,
                 F.softmax_backward(dout, s), a, acache[1], F.attention_backward(dout, acache))
 
-    monkeypatch.setenv("MINIVIT_NUM_THREADS", "1")
+    monkeypatch.setattr(kernels, "PARALLEL_MIN", 1 << 40)                  # every kernel on one core
     one = run()
-    monkeypatch.setenv("MINIVIT_NUM_THREADS", "2")
+    monkeypatch.setattr(kernels, "PARALLEL_MIN", 0)                        # every kernel's prange version,
+    monkeypatch.setenv("MINIVIT_NUM_THREADS", "1")                         # on one thread
+    assert all(np.array_equal(a, b_) for a, b_ in zip(one, run()))
+    monkeypatch.setenv("MINIVIT_NUM_THREADS", "2")                         # and on two
+    monkeypatch.setattr(kernels, "THREADED_ATTENTION", True)               # attention's chunks on 2 threads
     import numba
 
     assert kernels.num_threads() == min(2, numba.config.NUMBA_NUM_THREADS)
@@ -420,3 +457,22 @@ def test_adamw_fast_path_is_taken_only_for_contiguous_float32(monkeypatch):
 
     AdamW(Toy(), lr=1e-3).step()
     assert calls == [np.float32]                       # "b" is float64, "c" is a strided view
+
+
+@pytest.mark.parametrize("first, env, expected", [
+    ("import minivit", None, "10 True"),                  # minivit first: it sets the variable
+    ("import numpy, minivit", None, "None False"),        # NumPy already loaded OpenBLAS: too late
+    ("import minivit", "20", "20 False"),                 # the caller's value is kept (and is long)
+    ("import minivit", "4", "4 True"),
+])
+def test_openblas_idle_threads_are_set_to_sleep_only_before_numpy_loads(first, env, expected):
+    import subprocess
+    import sys
+
+    environ = {k: v for k, v in os.environ.items() if k != "OPENBLAS_THREAD_TIMEOUT"}
+    if env is not None:
+        environ["OPENBLAS_THREAD_TIMEOUT"] = env
+    code = (f"{first}; import os; from minivit import _blas_env; "
+            "print(os.environ.get('OPENBLAS_THREAD_TIMEOUT'), _blas_env.IDLE_BLAS_THREADS_SLEEP)")
+    out = subprocess.run([sys.executable, "-c", code], env=environ, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == expected
