@@ -12,9 +12,10 @@ operation is a kernel launch (~10 us, more than the work itself in a small model
 does instead is one pass per forward or backward ("fusion"):
 
 - CPU: each kernel is a plain loop, one value or one row at a time, that Numba compiles to machine code
-  on first use (cached on disk in minivit/__pycache__, so later runs start at once). ``prange`` shares
-  the outer loop among the cores (MINIVIT_NUM_THREADS, default: all of them) and the inner loops run
-  as SIMD vectors. exp and erf are written out as polynomials (``_exp32``, ``_erf32``) because the C
+  on first use (~10 s for all of them, cached on disk in minivit/__pycache__, so later runs start at
+  once). The inner loops run as SIMD vectors; for arrays of PARALLEL_MIN values or more ``prange``
+  shares the outer loop among the cores (MINIVIT_NUM_THREADS, default: all of them). Most of these
+  kernels are limited by memory bandwidth, not arithmetic, so one pass instead of six is the win. exp and erf are written out as polynomials (``_exp32``, ``_erf32``) because the C
   library's versions are called one value at a time, which stops the loop from being vectorised. Rows
   of a reduction that crosses rows (LayerNorm's dweight) are summed in fixed groups, then the groups in
   order, so every result is the same to the bit whatever the number of threads.
