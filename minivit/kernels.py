@@ -111,6 +111,7 @@ class _kernel:
             return self.parallel(*args)
         return self.serial(*args)
 
+
 f32 = numpy.float32
 _threads_set = None
 
