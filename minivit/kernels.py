@@ -31,6 +31,7 @@ Only this module and backend.py touch CuPy, and this one only ever sees CuPy arr
 
 import math
 import os
+import threading
 
 import numpy
 
@@ -73,7 +74,7 @@ if HAVE_NUMBA:
     # Numba's own thread pool ("workqueue"): its threads sleep between kernels. With the OpenMP layer
     # they spin-wait instead, and on a machine with few cores they fight OpenBLAS's threads (which also
     # spin): a training step measured 4x slower here. NUMBA_THREADING_LAYER still chooses, if set.
-    # (The workqueue layer must not be entered from two Python threads at once; minivit never does.)
+    # (The workqueue layer must not be entered from two Python threads at once: _kernel takes a lock.)
     if "NUMBA_THREADING_LAYER" not in os.environ:
         numba.config.THREADING_LAYER = "workqueue"
     prange = numba.prange
@@ -107,9 +108,13 @@ class _kernel:
 
     def __call__(self, *args):
         if args[0].size >= PARALLEL_MIN:
-            _use_threads()
-            return self.parallel(*args)
+            with _parallel_lock:   # Numba's workqueue aborts the process if two threads enter it at once
+                _use_threads()
+                return self.parallel(*args)
         return self.serial(*args)
+
+
+_parallel_lock = threading.Lock()
 
 
 f32 = numpy.float32

@@ -476,3 +476,18 @@ def test_openblas_idle_threads_are_set_to_sleep_only_before_numpy_loads(first, e
             "print(os.environ.get('OPENBLAS_THREAD_TIMEOUT'), _blas_env.IDLE_BLAS_THREADS_SLEEP)")
     out = subprocess.run([sys.executable, "-c", code], env=environ, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == expected
+
+
+@needs_numba
+def test_kernels_can_be_called_from_several_python_threads_at_once(rng, monkeypatch):
+    """Numba's workqueue layer aborts the whole process when two threads launch a parallel kernel at the
+    same time; the kernels serialise their parallel launches, so threaded callers get the right numbers."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    monkeypatch.setattr(kernels, "PARALLEL_MIN", 0)                         # every call the parallel one
+    xs = [rng.standard_normal((16, 65, 96)).astype(np.float32) for _ in range(8)]
+    expected = [F.gelu_forward(x)[0] for x in xs]
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda x: F.gelu_forward(x)[0], xs * 4))
+    for g, e in zip(got, expected * 4):
+        np.testing.assert_array_equal(g, e)
