@@ -32,6 +32,7 @@ Only this module and backend.py touch CuPy, and this one only ever sees CuPy arr
 import math
 import os
 import threading
+import types
 
 import numpy
 
@@ -95,8 +96,6 @@ class _kernel:
     longer than the work. Called like the function; the size of its first argument chooses."""
 
     def __init__(self, fn):
-        import types
-
         self.__name__, self.__doc__ = fn.__name__, fn.__doc__
         if not HAVE_NUMBA:
             self.parallel = self.serial = fn
@@ -486,15 +485,22 @@ def _heads(a, num_heads):
     return a.reshape(B, N, num_heads, D // num_heads).transpose(0, 2, 1, 3)
 
 
+def _three_heads(a, num_heads):
+    """(B, N, 3D) -> its three thirds as (B, nh, N, hs) views: q, k, v (or dq, dk, dv), no copy."""
+    D = a.shape[-1] // 3
+    return tuple(_heads(a[..., i * D:(i + 1) * D], num_heads) for i in range(3))
+
+
 def cpu_attention(x):
-    """Whether attention_forward has a fused version for this array (the CPU with Numba)."""
-    return HAVE_NUMBA and isinstance(x, numpy.ndarray)
+    """Whether attention_forward has a fused version for this array: a NumPy one (backend.fast_kernels
+    has already checked float32 and Numba)."""
+    return isinstance(x, numpy.ndarray)
 
 
 def _attention_forward_cpu(qkv, num_heads):
     B, N, D3 = qkv.shape
     D = D3 // 3
-    q, k, v = (_heads(qkv[..., i * D:(i + 1) * D], num_heads) for i in range(3))   # (B, nh, N, hs) views
+    q, k, v = _three_heads(qkv, num_heads)                       # (B, nh, N, hs) views each
     scale = f32(1.0 / math.sqrt(D // num_heads))
     out = numpy.empty((B, N, D), qkv.dtype)                      # (B, N, D), heads side by side
     lse = numpy.empty((B, num_heads, N), qkv.dtype)              # (B, nh, N)
@@ -513,10 +519,10 @@ def _attention_backward_cpu(dout, cache):
     qkv, lse, num_heads = cache
     B, N, D3 = qkv.shape
     D = D3 // 3
-    q, k, v = (_heads(qkv[..., i * D:(i + 1) * D], num_heads) for i in range(3))
+    q, k, v = _three_heads(qkv, num_heads)                       # (B, nh, N, hs) views each
     scale = f32(1.0 / math.sqrt(D // num_heads))
     dqkv = numpy.empty_like(qkv)                                 # (B, N, 3D), every value written
-    dq, dk, dv = (_heads(dqkv[..., i * D:(i + 1) * D], num_heads) for i in range(3))
+    dq, dk, dv = _three_heads(dqkv, num_heads)                   # views into dqkv
     dctx = _heads(dout, num_heads)                               # (B, nh, N, hs)
 
     def chunk(b0, b1):
@@ -546,9 +552,9 @@ def _adamw(p, g, m, v, decay, b1, b2, one_minus_b1, one_minus_b2, step_size, inv
 
 
 def cpu_adamw(*arrays):
-    """Whether adamw_update can take these arrays: float32 NumPy, C-contiguous, with Numba."""
-    return HAVE_NUMBA and all(isinstance(a, numpy.ndarray) and a.dtype == numpy.float32
-                              and a.flags.c_contiguous for a in arrays)
+    """Whether adamw_update can take these arrays: float32 NumPy, C-contiguous."""
+    return all(isinstance(a, numpy.ndarray) and a.dtype == numpy.float32 and a.flags.c_contiguous
+               for a in arrays)
 
 
 def adamw_update(p, g, m, v, lr, b1, b2, eps, weight_decay, bias_c1, bias_c2):
