@@ -16,10 +16,11 @@ No numpy import here: ``xp = get_array_module(x)`` is numpy or cupy, whichever x
 
 Fast paths. LayerNorm, GELU and softmax are a handful of elementwise passes each; for float32 arrays
 they run from minivit/kernels.py instead: the same math fused into one pass (a Numba loop on the CPU, a
-CUDA kernel on the GPU). On the CPU attention is fused too: it keeps each row's log-sum-exp instead of
-the (B, nh, N, N) weights and recomputes them in the backward (``fast = fast_kernels(x)`` at the top of
-those pairs; tests/test_fast_paths.py checks them against the lines here). float64, and everything with
-``minivit.backend.set_fast_kernels(False)``, runs the lines written here.
+CUDA kernel on the GPU). Attention is fused too, on both: it keeps each row's log-sum-exp instead of
+the (B, nh, N, N) weights and recomputes them in the backward, as PyTorch's scaled_dot_product_attention
+does (``fast = fast_kernels(x)`` at the top of those pairs; tests/test_fast_paths.py checks them against
+the lines here). float64, and everything with ``minivit.backend.set_fast_kernels(False)``, runs the
+lines written here.
 """
 
 import math
@@ -63,23 +64,35 @@ def patch2im(patches, patch_size, img_size):
 # --------------------------------------------------------------------------------------------------
 
 
-def linear_forward(x, weight, bias=None):
+def linear_forward(x, weight, bias=None, matmul_dtype=None):
     """y = x @ W + b.  x: (..., in), weight: (in, out), bias: (out,) or None. Returns y (..., out).
     All leading axes are folded into one, so each product is a single 2-D matrix multiply (one BLAS call):
-    NumPy runs a stacked (B, N, in) @ (in, out) as B small products, 10x slower or more."""
+    NumPy runs a stacked (B, N, in) @ (in, out) as B small products, 10x slower or more.
+    matmul_dtype="float16": mixed precision (minivit/amp.py). x and W are rounded to float16 for the
+    product (sums kept in float32 by cuBLAS and by NumPy), y comes back in x's dtype, and the cache holds
+    the float16 copies: half the bytes."""
     d_in, d_out = weight.shape
     x2 = x.reshape(-1, d_in)                                  # (rows, in), rows = all leading axes
-    y = x2 @ weight                                           # (rows, out)
+    if matmul_dtype is None:
+        y = x2 @ weight                                       # (rows, out)
+    else:
+        x2, weight = x2.astype(matmul_dtype), weight.astype(matmul_dtype)  # rounded once, kept for backward
+        y = (x2 @ weight).astype(x.dtype)                     # (rows, out), float16 product -> float32
     if bias is not None:
         y += bias                                             # in place: no second (rows, out) array
     return y.reshape(*x.shape[:-1], d_out), (x2, weight)      # (..., out)
 
 
 def linear_backward(dout, cache):
-    """dx = dout W^T, dW = x^T dout (summed over every leading axis), db = sum of dout."""
+    """dx = dout W^T, dW = x^T dout (summed over every leading axis), db = sum of dout.
+    Mixed precision (the cache in float16): the two products in float16 too, their results in dout's dtype."""
     x2, weight = cache
     d_in, d_out = weight.shape
     dout2 = dout.reshape(-1, d_out)                           # (rows, out)
+    dbias = dout2.sum(0)                                      # (out,)  in dout's dtype, before any rounding
+    mixed = x2.dtype != dout.dtype
+    if mixed:
+        dout2 = dout2.astype(x2.dtype)                        # (rows, out) float16: why the loss is scaled
     dx = dout2 @ weight.T                                     # (rows, in)
     # dW = x^T dout, summed over all rows: a long inner dimension. Given as the product whose first
     # side is the longer of in and out (the transpose of a product is free: a view): OpenBLAS's threads
@@ -88,7 +101,8 @@ def linear_backward(dout, cache):
         dweight = x2.T @ dout2                                # (in, out)
     else:
         dweight = (dout2.T @ x2).T                            # (in, out), computed as (dout^T x)^T
-    dbias = dout2.sum(0)                                      # (out,)
+    if mixed:
+        dx, dweight = dx.astype(dout.dtype), dweight.astype(dout.dtype)
     return dx.reshape(*dout.shape[:-1], d_in), dweight, dbias  # (..., in)
 
 
@@ -230,7 +244,7 @@ def attention_forward(qkv, num_heads):
     """Scaled dot-product attention of every head: softmax(q k^T / sqrt(hs)) v, heads concatenated.
     qkv: (B, N, 3D) from the packed projection. Returns out (B, N, D) and the cache."""
     fast = fast_kernels(qkv)
-    if fast and fast.cpu_attention(qkv):                      # float32 on the CPU: fused, keeps no N x N
+    if fast:                                                  # float32, CPU or GPU: fused, keeps no N x N
         return fast.attention_forward(qkv, num_heads)         # array (kernels.py; the same numbers)
     B, N, D3 = qkv.shape
     D = D3 // 3

@@ -19,11 +19,12 @@ does instead is one pass per forward or backward ("fusion"):
   library's versions are called one value at a time, which stops the loop from being vectorised. Rows
   of a reduction that crosses rows (LayerNorm's dweight) are summed in fixed groups, then the groups in
   order, so every result is the same to the bit whatever the number of threads.
-  Attention runs its small matrix products with NumPy (BLAS) and its softmax in Numba, in chunks of
-  images (see its section). Without Numba installed the CPU runs the reference lines (correct, several
-  times slower).
+  Without Numba installed the CPU runs the reference lines (correct, several times slower).
 - CuPy: one fused kernel per forward or backward: a ``cupy.ElementwiseKernel`` for GELU, a ``RawKernel``
   with one thread block per row for the row-wise LayerNorm and softmax. Compiled on first use.
+- Attention, on both: its matrix products by NumPy (BLAS) or CuPy (cuBLAS), in chunks of images, around
+  a softmax row kernel (Numba or CUDA) that keeps only each row's log-sum-exp, not the N x N weights;
+  the backward recomputes them (see its section, after the CuPy one).
 
 Only this module and backend.py touch CuPy, and this one only ever sees CuPy arrays that exist already
 (it never imports CuPy for a NumPy array).
@@ -382,71 +383,10 @@ def _softmax_backward_cpu(dout, s):
     return dx.reshape(dout.shape)
 
 
-# ---- attention, in chunks of images, the N x N weights never stored ---------------------------------
-# The reference computes the scores q k^T / sqrt(hs) of the whole batch, (B, nh, N, N), and keeps their
-# softmax for the backward. Here the batch goes through in chunks of a few images, so that a chunk's
-# (b, nh, N, N) scores stay in the CPU's cache between the matrix products (NumPy's, i.e. BLAS) and the
-# softmax (one Numba kernel); and only each row's log-sum-exp (lse, B x nh x N values) is kept. The
-# backward recomputes the weights from it, p_ij = exp(s_ij - lse_i), inside its softmax-backward kernel,
-# as FlashAttention does: one more q k^T product, and no (B, nh, N, N) array held between the passes
-# (PyTorch's scaled_dot_product_attention makes the same trade).
-#
-# Threads: each head's products are small (N x hs times hs x N), too small for BLAS to share one among
-# the cores (it tries, and mostly waits). So the chunks are shared instead: num_threads() Python threads
-# each take whole chunks, with BLAS set to one thread meanwhile (threadpoolctl); NumPy's matmul and the
-# Numba kernels (nogil) release the GIL, so the threads really run at once. This needs OpenBLAS's own
-# idle threads to sleep rather than spin (minivit/_blas_env.py): otherwise they hold the cores and the
-# threads gain nothing. Measured on 2 cores, CIFAR model, batch 64: a training step 395 -> 345 ms.
-# Tried and dropped: the per-head products as Numba loops (2.2x slower than BLAS).
-
-CHUNK_BYTES = 512 * 1024  # a chunk's (b, nh, N, N) scores: at most about this many bytes (fits in L2)
-THREADED_ATTENTION = None  # None: when it helps (see above); True / False: always / never (for tests)
-
-try:
-    import threadpoolctl
-except ImportError:  # then the chunks run one after the other, BLAS with its own threads
-    threadpoolctl = None
-
-_chunk_pool = None   # the worker threads, made on first use
-_blas_control = None
-
-
-def _attention_workers():
-    """How many threads share attention's chunks."""
-    threaded = THREADED_ATTENTION
-    if threaded is None:
-        threaded = IDLE_BLAS_THREADS_SLEEP
-    return num_threads() if threaded and threadpoolctl is not None else 1
-
-
-def _chunks(B, nh, N, itemsize, workers):
-    """[(b0, b1), ...] covering range(B): each chunk's scores at most CHUNK_BYTES (one image at least),
-    and a multiple of `workers` chunks of about equal size, so the threads finish together."""
-    most = max(1, CHUNK_BYTES // (nh * N * N * itemsize))             # images per chunk, at most
-    n = -(-B // most)
-    n = min(B, -(-n // workers) * workers)                            # a multiple of the workers
-    rows = -(-B // n)
-    return [(b, min(b + rows, B)) for b in range(0, B, rows)]
-
-
-def _run_chunks(work, B, nh, N, itemsize):
-    """work(b0, b1) for every chunk: on this thread, or shared among _attention_workers() threads."""
-    global _chunk_pool, _blas_control
-    workers = _attention_workers()
-    chunks = _chunks(B, nh, N, itemsize, workers)
-    if workers == 1 or len(chunks) == 1:
-        for b0, b1 in chunks:
-            work(b0, b1)
-        return
-    if _chunk_pool is None or _chunk_pool._max_workers != workers:
-        from concurrent.futures import ThreadPoolExecutor
-        _chunk_pool = ThreadPoolExecutor(workers, thread_name_prefix="minivit-attention")
-    if _blas_control is None:
-        _blas_control = threadpoolctl.ThreadpoolController()
-    with _blas_control.limit(limits=1, user_api="blas"):
-        for f in [_chunk_pool.submit(work, b0, b1) for b0, b1 in chunks]:
-            f.result()                                                # (re-raises a worker's error)
-
+# ---- attention's softmax, keeping only each row's log-sum-exp ---------------------------------------
+# The row kernels of the fused attention on the CPU (the attention section, after the CuPy one, runs
+# them between its matrix products; softmax_lse_fwd / softmax_lse_bwd in _ROW_SOURCE are the same two
+# for the GPU). Each overwrites a chunk's raw scores q.k, one row of N per query and head, with p.
 
 @_in_thread
 def _softmax_lse(s, scale, lse):  # s: (R, N) raw scores q.k, in place -> p; lse: (R,)
@@ -477,65 +417,6 @@ def _softmax_lse_bwd(s, dp, lse, scale):  # s: raw scores (R, N) -> p; dp: dL/dp
             delta += sr[j] * dpr[j]                                       # sum_j p_ij dp_ij
         for j in range(N):
             dpr[j] = sr[j] * (dpr[j] - delta) * scale                     # ds_ij, times d(scale q.k)/d(q.k)
-
-
-def _heads(a, num_heads):
-    """(B, N, nh * hs) -> a (B, nh, N, hs) view."""
-    B, N, D = a.shape
-    return a.reshape(B, N, num_heads, D // num_heads).transpose(0, 2, 1, 3)
-
-
-def _three_heads(a, num_heads):
-    """(B, N, 3D) -> its three thirds as (B, nh, N, hs) views: q, k, v (or dq, dk, dv), no copy."""
-    D = a.shape[-1] // 3
-    return tuple(_heads(a[..., i * D:(i + 1) * D], num_heads) for i in range(3))
-
-
-def cpu_attention(x):
-    """Whether attention_forward has a fused version for this array: a NumPy one (backend.fast_kernels
-    has already checked float32 and Numba)."""
-    return isinstance(x, numpy.ndarray)
-
-
-def _attention_forward_cpu(qkv, num_heads):
-    B, N, D3 = qkv.shape
-    D = D3 // 3
-    q, k, v = _three_heads(qkv, num_heads)                       # (B, nh, N, hs) views each
-    scale = f32(1.0 / math.sqrt(D // num_heads))
-    out = numpy.empty((B, N, D), qkv.dtype)                      # (B, N, D), heads side by side
-    lse = numpy.empty((B, num_heads, N), qkv.dtype)              # (B, nh, N)
-    out_heads = _heads(out, num_heads)                           # (B, nh, N, hs) view of out
-
-    def chunk(b0, b1):
-        s = q[b0:b1] @ k[b0:b1].swapaxes(-1, -2)                 # (b, nh, N, N)  q.k
-        _softmax_lse(s.reshape(-1, N), scale, lse[b0:b1].reshape(-1))   # s -> attention weights p
-        numpy.matmul(s, v[b0:b1], out=out_heads[b0:b1])          # (b, nh, N, hs)  p v, into place
-
-    _run_chunks(chunk, B, num_heads, N, qkv.itemsize)
-    return out, AttentionCache(qkv, lse, num_heads)
-
-
-def _attention_backward_cpu(dout, cache):
-    qkv, lse, num_heads = cache
-    B, N, D3 = qkv.shape
-    D = D3 // 3
-    q, k, v = _three_heads(qkv, num_heads)                       # (B, nh, N, hs) views each
-    scale = f32(1.0 / math.sqrt(D // num_heads))
-    dqkv = numpy.empty_like(qkv)                                 # (B, N, 3D), every value written
-    dq, dk, dv = _three_heads(dqkv, num_heads)                   # views into dqkv
-    dctx = _heads(dout, num_heads)                               # (B, nh, N, hs)
-
-    def chunk(b0, b1):
-        c = slice(b0, b1)
-        s = q[c] @ k[c].swapaxes(-1, -2)                         # (b, nh, N, N)  q.k, again
-        dp = dctx[c] @ v[c].swapaxes(-1, -2)                     # (b, nh, N, N)  dL/dp = dctx v^T
-        _softmax_lse_bwd(s.reshape(-1, N), dp.reshape(-1, N), lse[c].reshape(-1), scale)  # s -> p, dp -> ds
-        numpy.matmul(s.swapaxes(-1, -2), dctx[c], out=dv[c])     # dv = p^T dctx
-        numpy.matmul(dp, k[c], out=dq[c])                        # dq = ds k
-        numpy.matmul(dp.swapaxes(-1, -2), q[c], out=dk[c])       # dk = ds^T q
-
-    _run_chunks(chunk, B, num_heads, N, qkv.itemsize)
-    return dqkv
 
 
 # ---- AdamW: one pass over each parameter, instead of ten ---------------------------------------------
@@ -685,6 +566,39 @@ extern "C" __global__ void softmax_bwd(const T* dout, const T* s, T* dx, int n) 
     d = block_sum(d, buf);
     for (int i = threadIdx.x; i < n; i += blockDim.x) dx[base + i] = s[base + i] * (dout[base + i] - d);
 }
+
+// Attention's softmax (the attention section below), the same as _softmax_lse and _softmax_lse_bwd:
+// s holds a row of raw scores q.k per block, scale = 1 / sqrt(hs); only lse, one value a row, is kept.
+extern "C" __global__ void softmax_lse_fwd(T* s, T* lse, int n, T scale) {   // s -> p in place
+    extern __shared__ unsigned char smem[];
+    T* buf = (T*)smem;
+    long long base = (long long)blockIdx.x * n;
+    T m = s[base];
+    for (int i = threadIdx.x; i < n; i += blockDim.x) m = max(m, s[base + i]);
+    m = block_max(m, buf) * scale;                                 // scale > 0: the max of scale q.k
+    T total = 0;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) { T e = exp(s[base + i] * scale - m); s[base + i] = e; total += e; }
+    total = block_sum(total, buf);
+    T inv = (T)1 / total;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) s[base + i] *= inv;          // p_ij
+    if (threadIdx.x == 0) lse[blockIdx.x] = m + log(total);        // log sum_j exp(scale q_i.k_j)
+}
+
+extern "C" __global__ void softmax_lse_bwd(T* s, T* dp, const T* lse, int n, T scale) {  // s -> p, dp -> ds
+    extern __shared__ unsigned char smem[];
+    T* buf = (T*)smem;
+    long long base = (long long)blockIdx.x * n;
+    T l = lse[blockIdx.x];
+    T d = 0;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        T p = exp(s[base + i] * scale - l);                        // p_ij, recomputed
+        s[base + i] = p;
+        d += p * dp[base + i];
+    }
+    d = block_sum(d, buf);                                         // sum_j p_ij dp_ij
+    for (int i = threadIdx.x; i < n; i += blockDim.x)
+        dp[base + i] = s[base + i] * (dp[base + i] - d) * scale;   // ds_ij, times d(scale q.k)/d(q.k)
+}
 """
 
 
@@ -758,6 +672,158 @@ def _gpu_softmax_backward(dout, s):
     return dx.reshape(dout.shape)
 
 
+def _gpu_softmax_lse(s, scale, lse):
+    """_softmax_lse on the GPU: s (R, N) raw scores q.k, contiguous, in place -> p; lse (R,) written."""
+    R, N = s.shape
+    _launch_rows("softmax_lse_fwd", R, N, s.dtype, (s, lse, numpy.int32(N), s.dtype.type(scale)))
+
+
+def _gpu_softmax_lse_bwd(s, dp, lse, scale):
+    """_softmax_lse_bwd on the GPU: s (R, N) raw scores -> p; dp (R, N) dL/dp -> scale * dL/ds; contiguous."""
+    R, N = s.shape
+    _launch_rows("softmax_lse_bwd", R, N, s.dtype, (s, dp, lse, numpy.int32(N), s.dtype.type(scale)))
+
+
+# ==================================================================================================
+# Attention on both backends: in chunks of images, the N x N weights never stored
+# ==================================================================================================
+# The reference computes the scores q k^T / sqrt(hs) of the whole batch, (B, nh, N, N), and keeps their
+# softmax for the backward. Here the batch goes through in chunks of a few images, and only each row's
+# log-sum-exp (lse, B x nh x N values) is kept. The backward recomputes the weights from it,
+# p_ij = exp(s_ij - lse_i), inside its softmax-backward kernel, as FlashAttention does: one more q k^T
+# product, and no (B, nh, N, N) array held between the passes (PyTorch's scaled_dot_product_attention
+# makes the same trade).
+#
+# One orchestration for both backends: the products are xp.matmul (NumPy's, i.e. BLAS; or CuPy's, i.e.
+# cuBLAS) on views of qkv, written into place with out=. Only the row kernel between them differs:
+# _softmax_lse / _softmax_lse_bwd (Numba, above) on the CPU, softmax_lse_fwd / softmax_lse_bwd (CUDA,
+# _ROW_SOURCE) on the GPU, which compute the same numbers the same way, so the same chunk code follows.
+#
+# CPU: a chunk's (b, nh, N, N) scores stay in the CPU's cache between the products and the softmax.
+# Threads: each head's products are small (N x hs times hs x N), too small for BLAS to share one among
+# the cores (it tries, and mostly waits). So the chunks are shared instead: num_threads() Python threads
+# each take whole chunks, with BLAS set to one thread meanwhile (threadpoolctl); NumPy's matmul and the
+# Numba kernels (nogil) release the GIL, so the threads really run at once. This needs OpenBLAS's own
+# idle threads to sleep rather than spin (minivit/_blas_env.py): otherwise they hold the cores and the
+# threads gain nothing. Measured on 2 cores, CIFAR model, batch 64: a training step 395 -> 345 ms.
+# Tried and dropped: the per-head products as Numba loops (2.2x slower than BLAS).
+#
+# GPU: the chunks only bound the memory the scores take (ViT-B/16 at batch 128: 238 MB, one chunk). The
+# kernels queue one after the other on CuPy's stream: one worker, no Python threads. CuPy's batched
+# matmul copies a strided or transposed operand into a contiguous one first, and writes a
+# non-contiguous out= through a temporary (cupy/_core/_routines_linalg.pyx): p^T and ds^T in the
+# backward are such copies, chunk-sized, freed at once, never kept.
+
+CHUNK_BYTES = 512 * 1024  # a chunk's (b, nh, N, N) scores on the CPU: at most about this many bytes (fits in L2)
+GPU_CHUNK_BYTES = 256 << 20  # on the GPU, only to bound the scores' memory: at most about this many bytes
+THREADED_ATTENTION = None  # None: when it helps (see above); True / False: always / never (for tests)
+
+try:
+    import threadpoolctl
+except ImportError:  # then the chunks run one after the other, BLAS with its own threads
+    threadpoolctl = None
+
+_chunk_pool = None   # the worker threads, made on first use
+_blas_control = None
+
+
+def _attention_workers():
+    """How many threads share attention's chunks."""
+    threaded = THREADED_ATTENTION
+    if threaded is None:
+        threaded = IDLE_BLAS_THREADS_SLEEP
+    return num_threads() if threaded and threadpoolctl is not None else 1
+
+
+def _chunks(B, nh, N, itemsize, workers, chunk_bytes):
+    """[(b0, b1), ...] covering range(B): each chunk's scores at most chunk_bytes (one image at least),
+    and a multiple of `workers` chunks of about equal size, so the threads finish together."""
+    most = max(1, chunk_bytes // (nh * N * N * itemsize))             # images per chunk, at most
+    n = -(-B // most)
+    n = min(B, -(-n // workers) * workers)                            # a multiple of the workers
+    rows = -(-B // n)
+    return [(b, min(b + rows, B)) for b in range(0, B, rows)]
+
+
+def _run_chunks(work, B, nh, N, itemsize, gpu):
+    """work(b0, b1) for every chunk: on the GPU one after the other (its kernels queue on one stream); on
+    the CPU on this thread, or shared among _attention_workers() threads."""
+    global _chunk_pool, _blas_control
+    workers = 1 if gpu else _attention_workers()
+    chunks = _chunks(B, nh, N, itemsize, workers, GPU_CHUNK_BYTES if gpu else CHUNK_BYTES)
+    if workers == 1 or len(chunks) == 1:
+        for b0, b1 in chunks:
+            work(b0, b1)
+        return
+    if _chunk_pool is None or _chunk_pool._max_workers != workers:
+        from concurrent.futures import ThreadPoolExecutor
+        _chunk_pool = ThreadPoolExecutor(workers, thread_name_prefix="minivit-attention")
+    if _blas_control is None:
+        _blas_control = threadpoolctl.ThreadpoolController()
+    with _blas_control.limit(limits=1, user_api="blas"):
+        for f in [_chunk_pool.submit(work, b0, b1) for b0, b1 in chunks]:
+            f.result()                                                # (re-raises a worker's error)
+
+
+def _heads(a, num_heads):
+    """(B, N, nh * hs) -> a (B, nh, N, hs) view."""
+    B, N, D = a.shape
+    return a.reshape(B, N, num_heads, D // num_heads).transpose(0, 2, 1, 3)
+
+
+def _three_heads(a, num_heads):
+    """(B, N, 3D) -> its three thirds as (B, nh, N, hs) views: q, k, v (or dq, dk, dv), no copy."""
+    D = a.shape[-1] // 3
+    return tuple(_heads(a[..., i * D:(i + 1) * D], num_heads) for i in range(3))
+
+
+def _fused_attention_forward(qkv, num_heads):
+    gpu = _is_cupy(qkv)
+    xp = _cupy() if gpu else numpy
+    softmax_lse = _gpu_softmax_lse if gpu else _softmax_lse      # the row kernel: CUDA or Numba
+    B, N, D3 = qkv.shape
+    D = D3 // 3
+    q, k, v = _three_heads(qkv, num_heads)                       # (B, nh, N, hs) views each
+    scale = f32(1.0 / math.sqrt(D // num_heads))
+    out = xp.empty((B, N, D), qkv.dtype)                         # (B, N, D), heads side by side
+    lse = xp.empty((B, num_heads, N), qkv.dtype)                 # (B, nh, N)
+    out_heads = _heads(out, num_heads)                           # (B, nh, N, hs) view of out
+
+    def chunk(b0, b1):
+        s = q[b0:b1] @ k[b0:b1].swapaxes(-1, -2)                 # (b, nh, N, N)  q.k
+        softmax_lse(s.reshape(-1, N), scale, lse[b0:b1].reshape(-1))   # s -> attention weights p
+        xp.matmul(s, v[b0:b1], out=out_heads[b0:b1])             # (b, nh, N, hs)  p v, into place
+
+    _run_chunks(chunk, B, num_heads, N, qkv.itemsize, gpu)
+    return out, AttentionCache(qkv, lse, num_heads)
+
+
+def _fused_attention_backward(dout, cache):
+    qkv, lse, num_heads = cache
+    gpu = _is_cupy(qkv)
+    xp = _cupy() if gpu else numpy
+    softmax_lse_bwd = _gpu_softmax_lse_bwd if gpu else _softmax_lse_bwd
+    B, N, D3 = qkv.shape
+    D = D3 // 3
+    q, k, v = _three_heads(qkv, num_heads)                       # (B, nh, N, hs) views each
+    scale = f32(1.0 / math.sqrt(D // num_heads))
+    dqkv = xp.empty(qkv.shape, qkv.dtype)                        # (B, N, 3D), every value written
+    dq, dk, dv = _three_heads(dqkv, num_heads)                   # views into dqkv
+    dctx = _heads(dout, num_heads)                               # (B, nh, N, hs)
+
+    def chunk(b0, b1):
+        c = slice(b0, b1)
+        s = q[c] @ k[c].swapaxes(-1, -2)                         # (b, nh, N, N)  q.k, again
+        dp = dctx[c] @ v[c].swapaxes(-1, -2)                     # (b, nh, N, N)  dL/dp = dctx v^T
+        softmax_lse_bwd(s.reshape(-1, N), dp.reshape(-1, N), lse[c].reshape(-1), scale)  # s -> p, dp -> ds
+        xp.matmul(s.swapaxes(-1, -2), dctx[c], out=dv[c])        # dv = p^T dctx
+        xp.matmul(dp, k[c], out=dq[c])                           # dq = ds k
+        xp.matmul(dp.swapaxes(-1, -2), q[c], out=dk[c])          # dk = ds^T q
+
+    _run_chunks(chunk, B, num_heads, N, qkv.itemsize, gpu)
+    return dqkv
+
+
 # ==================================================================================================
 # The entry points, called by functional.py for float32 arrays: same arguments, same caches
 # ==================================================================================================
@@ -801,13 +867,13 @@ def softmax_forward(x):
 
 
 def attention_forward(qkv, num_heads):
-    """As functional.attention_forward, fused (the CPU with Numba): (out, AttentionCache)."""
-    return _attention_forward_cpu(qkv, num_heads)
+    """As functional.attention_forward, fused (NumPy with Numba, or CuPy): (out, AttentionCache)."""
+    return _fused_attention_forward(qkv, num_heads)
 
 
 def attention_backward(dout, cache):
     """As functional.attention_backward, for an AttentionCache: dqkv."""
-    return _attention_backward_cpu(dout, cache)
+    return _fused_attention_backward(dout, cache)
 
 
 def softmax_backward(dout, cache):

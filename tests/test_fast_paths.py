@@ -1,7 +1,8 @@
 """The fast paths (minivit/kernels.py) against the reference lines of functional.py.
 
 For float32 arrays LayerNorm, GELU and softmax run from minivit.kernels: in cache-sized blocks on the
-CPU, as fused kernels on the GPU. They must compute the same function as the reference, so each is
+CPU, as fused kernels on the GPU; attention, on both, in chunks of images, keeping only each row's
+log-sum-exp. They must compute the same function as the reference, so each is
 compared with the reference evaluated in float64 (the exact math), to float32 tolerance, on random
 inputs of awkward shapes (rows that do not fill a block, rows longer than a block, huge values).
 The GPU tests are skipped without CuPy and a GPU (`pytest tests/test_fast_paths.py` on a GPU machine).
@@ -211,13 +212,16 @@ def test_fused_attention_takes_a_strided_qkv_and_chunks_of_any_size(rng, monkeyp
 
 def test_attention_chunks_cover_the_batch_in_equal_shares():
     for B, nh, N, workers in [(64, 3, 65, 2), (7, 2, 9, 2), (1, 12, 197, 2), (5, 1, 4, 3), (64, 3, 65, 1)]:
-        chunks = kernels._chunks(B, nh, N, 4, workers)
+        chunks = kernels._chunks(B, nh, N, 4, workers, kernels.CHUNK_BYTES)
         assert chunks[0][0] == 0 and chunks[-1][1] == B
         assert all(a[1] == b[0] for a, b in zip(chunks, chunks[1:]))      # contiguous, no overlap
         sizes = [b - a for a, b in chunks]
         assert max(sizes) * nh * N * N * 4 <= max(kernels.CHUNK_BYTES, nh * N * N * 4)
         if workers > 1 and B >= workers:
             assert len(chunks) % workers == 0 or len(chunks) == B
+    # the GPU's budget: ViT-B/16 at batch 128 (12 heads, 197 tokens) in one chunk, one worker
+    assert kernels._chunks(128, 12, 197, 4, 1, kernels.GPU_CHUNK_BYTES) == [(0, 128)]
+    assert len(kernels._chunks(512, 12, 197, 4, 1, kernels.GPU_CHUNK_BYTES)) == 4
 
 
 def test_threaded_attention_is_chosen_only_when_blas_threads_sleep(monkeypatch):
@@ -229,6 +233,21 @@ def test_threaded_attention_is_chosen_only_when_blas_threads_sleep(monkeypatch):
     assert kernels._attention_workers() == (2 if kernels.threadpoolctl else 1)
     monkeypatch.setattr(kernels, "THREADED_ATTENTION", False)
     assert kernels._attention_workers() == 1
+
+
+@needs_numba
+def test_fused_attention_on_numpy_never_asks_for_cupy(rng, monkeypatch):
+    """The orchestration is shared with the GPU; for NumPy arrays it must not import CuPy (not installed
+    on CPU machines) nor launch a CUDA kernel."""
+    def no_cupy(*args):
+        raise AssertionError("CuPy was asked for with NumPy arrays")
+
+    for name in ("_cupy", "_launch_rows"):
+        monkeypatch.setattr(kernels, name, no_cupy)
+    qkv = rng.standard_normal((2, 9, 3 * 8)).astype(np.float32)
+    out, cache = F.attention_forward(qkv, 2)
+    dqkv = F.attention_backward(np.ones_like(out), cache)
+    assert isinstance(cache, kernels.AttentionCache) and dqkv.shape == qkv.shape
 
 
 def test_attention_layer_shows_its_weights_from_either_cache(rng, reference):
@@ -307,12 +326,13 @@ def test_threads_give_the_same_numbers(rng, monkeypatch):
 
 def test_float64_never_takes_a_fast_path(rng, monkeypatch):
     calls = []
-    for name in ("gelu_forward", "layernorm_forward", "softmax_forward"):
+    for name in ("gelu_forward", "layernorm_forward", "softmax_forward", "attention_forward"):
         monkeypatch.setattr(kernels, name, lambda *a, _n=name, **k: calls.append(_n))
     x = rng.standard_normal((2, 3, 4))
     F.gelu_forward(x)
     F.layernorm_forward(x, np.ones(4), np.zeros(4))
     F.softmax_forward(x)
+    F.attention_forward(rng.standard_normal((2, 3, 12)), 2)
     backend.erf(x)
     assert calls == []
 
@@ -414,6 +434,72 @@ def test_gpu_model_fast_and_reference_agree():
     assert rel(out[1][0], out[0][0]) < 1e-5
     for k in out[0][1]:
         assert rel(out[1][1][k], out[0][1][k]) < 1e-4, k
+
+
+GPU_ATTENTION_SHAPES = [(2, 5, 12, 3), (3, 17, 32, 2), (4, 197, 768, 12), (5, 1, 8, 2), (16, 65, 192, 3)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B, N, D, nh", GPU_ATTENTION_SHAPES)
+def test_gpu_fused_attention_matches_the_reference(rng, B, N, D, nh):
+    """CuPy float32 takes the same fused attention as the CPU (cuBLAS products, CUDA softmax_lse row
+    kernels): out, dqkv and the recomputed weights against the float64 reference."""
+    cp = backend.backend_module("cupy")
+    qkv = (rng.standard_normal((B, N, 3 * D)) * 2).astype(np.float32)
+    dout = rng.standard_normal((B, N, D)).astype(np.float32)
+    out, cache = F.attention_forward(cp.asarray(qkv), nh)
+    dqkv = F.attention_backward(cp.asarray(dout), cache)
+    out64, cache64 = ref64(lambda a: F.attention_forward(a, nh), qkv)
+    dqkv64 = ref64(lambda d: F.attention_backward(d, cache64), dout)
+    assert isinstance(cache, kernels.AttentionCache) and isinstance(out, cp.ndarray) and isinstance(dqkv, cp.ndarray)
+    assert out.dtype == dqkv.dtype == np.float32 and out.shape == (B, N, D) and dqkv.shape == qkv.shape
+    assert rel(out, out64) < 5e-6 and rel(dqkv, dqkv64) < 1e-5           # float32 sums over N terms
+    weights = F.attention_weights(cache)                                   # recomputed from lse, on the GPU
+    assert isinstance(weights, cp.ndarray) and weights.shape == (B, nh, N, N)
+    assert rel(weights, cache64[3]) < 1e-5
+
+
+@pytest.mark.gpu
+def test_gpu_fused_attention_keeps_no_n_by_n_array(rng):
+    """The GPU's backward cache is what PyTorch's scaled_dot_product_attention keeps: qkv itself and lse,
+    (B, nh, N). Measured in CuPy's memory pool: the forward leaves out and lse allocated, nothing of the
+    (B, nh, N, N) scores (the reference forward leaves its weights)."""
+    cp = backend.backend_module("cupy")
+    pool = cp.get_default_memory_pool()
+    B, N, D, nh = 8, 197, 768, 12
+    qkv = cp.asarray(rng.standard_normal((B, N, 3 * D)).astype(np.float32))
+    n_by_n = B * nh * N * N * 4
+    F.attention_forward(qkv, nh)                                           # compile, warm cuBLAS
+    before = pool.used_bytes()
+    out, cache = F.attention_forward(qkv, nh)
+    kept_fused = pool.used_bytes() - before
+    kept, lse, heads = cache
+    assert kept is qkv and heads == nh and lse.shape == (B, nh, N) and isinstance(lse, cp.ndarray)
+    assert kept_fused < out.nbytes + lse.nbytes + (1 << 20) < n_by_n
+    del out, cache, kept, lse
+    backend.set_fast_kernels(False)
+    try:
+        before = pool.used_bytes()
+        out, cache = F.attention_forward(qkv, nh)                          # the reference: keeps the weights
+        assert pool.used_bytes() - before >= n_by_n and cache[3].shape == (B, nh, N, N)
+    finally:
+        backend.set_fast_kernels(True)
+
+
+@pytest.mark.gpu
+def test_gpu_fused_attention_takes_a_strided_qkv_and_chunks_of_any_size(rng, monkeypatch):
+    cp = backend.backend_module("cupy")
+    B, N, D, nh = 7, 9, 16, 2
+    wide = rng.standard_normal((B, N, 3 * D + 5)).astype(np.float32)
+    dout = rng.standard_normal((B, N, D)).astype(np.float32)
+    out64, cache64 = ref64(lambda a: F.attention_forward(a, nh), wide[..., 2:2 + 3 * D])
+    dqkv64 = ref64(lambda d: F.attention_backward(d, cache64), dout)
+    qkv = cp.asarray(wide)[..., 2:2 + 3 * D]                               # not contiguous
+    for chunk_images in (1, 3, 7, 100):                                    # chunks that do and do not divide B
+        monkeypatch.setattr(kernels, "GPU_CHUNK_BYTES", chunk_images * nh * N * N * 4)
+        out, cache = F.attention_forward(qkv, nh)
+        dqkv = F.attention_backward(cp.asarray(dout), cache)
+        assert rel(out, out64) < 5e-6 and rel(dqkv, dqkv64) < 1e-5, chunk_images
 
 
 # ---- AdamW in one pass ---------------------------------------------------------------------------------
