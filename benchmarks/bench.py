@@ -71,6 +71,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import minivit  # noqa: E402  (before NumPy: it sets OpenBLAS's idle threads to sleep, minivit/_blas_env.py)
 import numpy as np  # noqa: E402
 from minivit import backend, convert, kernels  # noqa: E402
+from minivit.amp import LossScaler  # noqa: E402
 from minivit.optim import AdamW  # noqa: E402
 
 import profile_layers  # noqa: E402
@@ -284,7 +285,7 @@ def matmul_rates(torch, device, n=2048, repeats=5):
 class Pair:
     """The same ViT in minivit and in timm, a batch for each, and their optimizers."""
 
-    def __init__(self, torch, config, batch, device, seed=0):
+    def __init__(self, torch, config, batch, device, seed=0, precision="float32"):
         import timm.models.vision_transformer as tv
         self.torch, self.config, self.batch, self.device = torch, config, batch, device
         bname = "cupy" if device == "gpu" else "numpy"
@@ -307,20 +308,41 @@ class Pair:
         self.topt = torch.optim.AdamW(self.ref.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
         self.sync_m = backend.synchronize
         self.sync_t = torch.cuda.synchronize if device == "gpu" else (lambda: None)
+        # mixed precision: minivit's float16 Linear products + LossScaler against torch.autocast + GradScaler
+        self.mixed = precision == "float16"
+        self.scaler = self.tscaler = None
+        if self.mixed:
+            self.model.set_matmul_dtype("float16")
+            self.scaler, self.tscaler = LossScaler(), torch.amp.GradScaler(tdev)
 
     def minivit_step(self):
         self.model.zero_grad()
         logits = self.model.forward(self.x)
         loss, dlogits = minivit.cross_entropy(logits, self.y)
-        self.model.backward(dlogits)
+        self.model.backward(self.scaler.scale(dlogits) if self.mixed else dlogits)
         return loss
 
     def torch_step(self):
         self.ref.zero_grad(set_to_none=True)
-        logits = self.ref(self.tx)
-        loss = self.torch.nn.functional.cross_entropy(logits, self.ty)
-        loss.backward()
+        with self.torch.autocast(self.tx.device.type, dtype=self.torch.float16, enabled=self.mixed):
+            logits = self.ref(self.tx)
+        loss = self.torch.nn.functional.cross_entropy(logits.float(), self.ty)
+        (self.tscaler.scale(loss) if self.mixed else loss).backward()
         return loss
+
+    def minivit_opt(self):
+        if not self.mixed:
+            return self.opt.step()
+        finite = self.scaler.unscale(self.model)       # as GradScaler.step: unscale, check, step if finite
+        if finite:
+            self.opt.step()
+        self.scaler.update(finite)
+
+    def torch_opt(self):
+        if not self.mixed:
+            return self.topt.step()
+        self.tscaler.step(self.topt)
+        self.tscaler.update()
 
     def logits_agreement(self):
         """Relative max difference of the two models' logits on the batch (both in train mode)."""
@@ -340,7 +362,7 @@ def alternate(pair, warmup, repeats, block=3):
     wall = {k: [] for k in names}
     cpu = {k: [] for k in names}
     fns = {"minivit_step": (pair.minivit_step, pair.sync_m), "torch_step": (pair.torch_step, pair.sync_t),
-           "minivit_opt": (pair.opt.step, pair.sync_m), "torch_opt": (pair.topt.step, pair.sync_t)}
+           "minivit_opt": (pair.minivit_opt, pair.sync_m), "torch_opt": (pair.torch_opt, pair.sync_t)}
     for r in range(warmup + repeats):
         order = ("minivit", "torch") if r % 2 == 0 else ("torch", "minivit")
         for what in ("step", "opt"):
@@ -507,8 +529,8 @@ def memory(pair):
 # ==================================================================================================
 
 def run_config(torch, name, config, batch, device, warmup, repeats, rates, with_memory=True, with_profile=False,
-               profile_repeats=3, block=3):
-    pair = Pair(torch, config, batch, device)
+               profile_repeats=3, block=3, precision="float32"):
+    pair = Pair(torch, config, batch, device, precision=precision)
     agreement = pair.logits_agreement()
     wall, cpu = alternate(pair, warmup, repeats, block)
     med = {k: statistics.median(v) for k, v in wall.items()}
@@ -518,7 +540,7 @@ def run_config(torch, name, config, batch, device, warmup, repeats, rates, with_
     flops = step_flops(config, batch)
     mm = "numpy" if device == "cpu" else "cupy"
     result = dict(
-        name=name, device=device, batch=batch, config=config.to_dict(), tokens=config.seq_len,
+        name=name, device=device, batch=batch, precision=precision, config=config.to_dict(), tokens=config.seq_len,
         params=config.num_params(), logits_rel_diff=agreement,
         step_flops=flops, facts_approx_step_flops=facts_approx_step_flops(config, batch),
         wall_s=wall, cpu_s=cpu, median_s=med,
@@ -597,6 +619,9 @@ def main(argv=None):
     ap.add_argument("--no-memory", action="store_true")
     ap.add_argument("--block", type=int, default=3,
                     help="calls of one library in a row per round; the first is not timed (default 3)")
+    ap.add_argument("--precision", default="float32", choices=["float32", "float16"],
+                    help="float16: mixed precision on both sides (minivit: set_matmul_dtype + LossScaler; "
+                         "PyTorch: autocast + GradScaler); GPU only")
     ap.add_argument("--out", default=None, help="folder for the JSON (default benchmarks/results, or $OUT)")
     args = ap.parse_args(argv)
 
@@ -609,6 +634,9 @@ def main(argv=None):
     gpu_ok = backend.gpu_available() and torch.cuda.is_available()
     if args.device == "gpu" and not gpu_ok:
         sys.exit("--device gpu: no usable GPU here (needs CuPy with a GPU and a CUDA build of torch)")
+    if args.precision == "float16" and args.device != "gpu":
+        sys.exit("--precision float16 needs --device gpu: NumPy's float16 products have no BLAS (hundreds of "
+                 "times slower than float32), so a CPU comparison would measure nothing useful")
     devices = {"cpu": ["cpu"], "gpu": ["gpu"], "both": ["cpu", "gpu"],
                "auto": ["cpu"] + (["gpu"] if gpu_ok else [])}[args.device]
     if args.device == "both" and not gpu_ok:
@@ -645,7 +673,7 @@ def main(argv=None):
             r = run_config(torch, name, config, b, device, args.warmup, args.repeats if i == 0 or mem else
                            max(3, args.repeats - 2), rates[device], with_memory=mem and not args.no_memory,
                            with_profile=(i == 0 and not args.no_profile),
-                           block=args.block)
+                           block=args.block, precision=args.precision)
             results.append(r)
             if "profile" in r:
                 profiles[f"{name} {device} batch {b}"] = r["profile"]
@@ -664,7 +692,8 @@ def main(argv=None):
     path.write_text(json.dumps(record, indent=1, default=str))
 
     print(f"\nSpeed: median over {args.repeats} alternated rounds (after {args.warmup} warm-up) of "
-          f"minivit / PyTorch in the same round; float32. {info['cpu']}, "
+          f"minivit / PyTorch in the same round; {args.precision}"
+          f"{' (mixed: float16 matmuls, loss scaling)' if args.precision == 'float16' else ''}. {info['cpu']}, "
           f"{info['torch_threads']} threads for both.\n")
     print(table(results))
     mt = memory_table(results)

@@ -8,6 +8,7 @@
 """
 
 from . import _blas_env  # noqa: F401  (first: a setting NumPy's BLAS reads when NumPy is imported)
+from . import amp  # noqa: F401  (minivit.amp.LossScaler: mixed precision)
 from .backend import (asarray, backend_module, get_array_module, get_backend, gpu_available, set_backend,
                       to_numpy)
 from .checkpoint import load_model

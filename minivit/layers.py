@@ -11,6 +11,8 @@ The contract every layer keeps:
   two backwards without it accumulate, which is how gradient accumulation works.
 """
 
+import warnings
+
 from . import functional as F
 from .backend import asarray, backend_module, backend_of, get_array_module, host_rng
 
@@ -139,6 +141,40 @@ class Classifier(Layer):
         """'numpy' or 'cupy': where the parameters live."""
         return backend_of(self.params["head.weight"])   # every classifier has a head
 
+    def set_matmul_dtype(self, matmul_dtype):
+        """Mixed precision (minivit/amp.py): "float16" makes every Linear layer multiply in float16, the
+        parameters, gradients and everything else staying float32; None (or "float32") undoes it.
+        Train with an amp.LossScaler, so that small gradients do not round to zero in float16."""
+        if matmul_dtype == "float32":
+            matmul_dtype = None
+        if matmul_dtype == "bfloat16":
+            raise ValueError("matmul_dtype 'bfloat16' is not available: neither NumPy nor CuPy has a bfloat16 "
+                             "dtype; use 'float16' (with a LossScaler) or None")
+        if matmul_dtype not in (None, "float16"):
+            raise ValueError(f"matmul_dtype must be 'float16', 'float32' or None, got {matmul_dtype!r}")
+        if matmul_dtype is not None and self.dtype != "float32":
+            raise ValueError(f"mixed precision needs a float32 model (float32 master weights), this one is {self.dtype}")
+        if matmul_dtype is not None and self.backend == "numpy":
+            warnings.warn("float16 matrix products on NumPy run without BLAS, a few hundred times slower than "
+                          "float32: mixed precision pays on the GPU (CuPy, tensor cores); on the CPU it is for "
+                          "tests and lessons", RuntimeWarning, stacklevel=2)
+        for layer in _all_layers(self):
+            if isinstance(layer, Linear):
+                layer.matmul_dtype = matmul_dtype
+        return self
+
+    @property
+    def matmul_dtype(self):
+        """None, or "float16" when set_matmul_dtype made the Linear layers multiply in float16."""
+        return self.head.matmul_dtype
+
+
+def _all_layers(layer):
+    """layer and every layer inside it, depth first."""
+    yield layer
+    for child in layer.children.values():
+        yield from _all_layers(child)
+
 
 class Linear(Layer):
     """y = x W + b, with W stored (in_features, out_features) so the code reads as the math."""
@@ -152,9 +188,10 @@ class Linear(Layer):
         if bias:
             self.params["bias"] = zeros((out_features,), dtype)                         # (out,)
             self.grads["bias"] = zeros((out_features,), dtype)
+        self.matmul_dtype = None  # "float16": mixed precision (set by model.set_matmul_dtype, minivit/amp.py)
 
     def forward(self, x):  # x: (..., in) -> (..., out)
-        y, cache = F.linear_forward(x, self.params["weight"], self.params.get("bias"))
+        y, cache = F.linear_forward(x, self.params["weight"], self.params.get("bias"), self.matmul_dtype)
         self.cache = cache if self.training else None
         return y
 
@@ -166,7 +203,8 @@ class Linear(Layer):
         return dx
 
     def extra_repr(self):
-        return f"{self.in_features} -> {self.out_features}, bias={'bias' in self.params}"
+        mixed = "" if self.matmul_dtype is None else f", matmul {self.matmul_dtype}"
+        return f"{self.in_features} -> {self.out_features}, bias={'bias' in self.params}{mixed}"
 
 
 class LayerNorm(Layer):

@@ -29,12 +29,15 @@ import os
 import signal
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 
+import numpy
 from tqdm import tqdm
 
 from . import augment as A
 from . import backend
+from .amp import LossScaler
 from .checkpoint import load_checkpoint, restore_dropout_rngs, save_checkpoint
 from .data import DATASETS, load_dataset, resize_images
 from .functional import cross_entropy
@@ -111,6 +114,7 @@ class TrainConfig:
     seed: int = 0
     backend: str = None               # numpy | cupy (default: the current backend)
     dtype: str = "float32"
+    precision: str = "float32"        # float16: mixed precision, float16 matmuls + loss scaling (minivit/amp.py)
     out: str = "runs/default"         # None: write nothing (no metrics, summary, checkpoint or plot)
     resume: bool = False
     eval_every: int = None            # evaluate every N steps (default: at the end of each epoch)
@@ -173,6 +177,10 @@ def resolve(cfg):
         raise ValueError(f"augment must be one of {A.POLICIES}, got {r.augment!r}")
     if r.dtype not in ("float32", "float64"):
         raise ValueError(f"dtype must be 'float32' or 'float64', got {r.dtype!r}")
+    if r.precision not in ("float32", "float16"):
+        raise ValueError(f"precision must be 'float32' or 'float16' (mixed), got {r.precision!r}")
+    if r.precision == "float16" and r.dtype != "float32":
+        raise ValueError(f"precision 'float16' keeps float32 master weights: it needs dtype 'float32', got {r.dtype!r}")
     if not isinstance(r.batch_size, int) or r.batch_size < 1:
         raise ValueError(f"batch_size must be a positive int, got {r.batch_size!r}")
     if not isinstance(r.grad_accum, int) or r.grad_accum < 1 or r.batch_size % r.grad_accum:
@@ -351,21 +359,32 @@ class _StopFlag:
             signal.signal(signal.SIGINT, self._old)
 
 
-def train_step(model, optimizer, x, y, cfg):
-    """One optimizer step on batch (x, y), in cfg.grad_accum micro-batches. Returns (loss, correct, grad_norm)."""
+def train_step(model, optimizer, x, y, cfg, scaler=None):
+    """One optimizer step on batch (x, y), in cfg.grad_accum micro-batches. Returns (loss, correct, grad_norm).
+    scaler: an amp.LossScaler (mixed precision): the backward gets the scaled loss gradient, and a step whose
+    gradients overflowed is skipped (grad_norm is then inf)."""
     model.zero_grad()
     micro = x.shape[0] // cfg.grad_accum
     total_loss, correct = 0.0, 0
-    for j in range(cfg.grad_accum):
-        xb, yb = x[j * micro:(j + 1) * micro], y[j * micro:(j + 1) * micro]
-        logits = model.forward(xb)                                                  # (b, K)
-        loss, dlogits = cross_entropy(logits, yb, cfg.label_smoothing)
-        if not math.isfinite(loss):
-            return loss, 0, float("nan")
-        model.backward(dlogits / cfg.grad_accum)   # the mean over all micro-batches: each weighs 1/grad_accum
-        total_loss += loss / cfg.grad_accum
-        labels = yb if yb.ndim == 1 else yb.argmax(-1)
-        correct += int((logits.argmax(-1) == labels).sum())
+    # with loss scaling float16 overflows now and then, by design (that step is skipped): NumPy's
+    # "overflow encountered" warnings would be noise
+    with numpy.errstate(over="ignore", invalid="ignore") if scaler is not None else nullcontext():
+        for j in range(cfg.grad_accum):
+            xb, yb = x[j * micro:(j + 1) * micro], y[j * micro:(j + 1) * micro]
+            logits = model.forward(xb)                                                  # (b, K)
+            loss, dlogits = cross_entropy(logits, yb, cfg.label_smoothing)
+            if not math.isfinite(loss):
+                return loss, 0, float("nan")
+            dlogits = dlogits / cfg.grad_accum     # the mean over all micro-batches: each weighs 1/grad_accum
+            model.backward(dlogits if scaler is None else scaler.scale(dlogits))
+            total_loss += loss / cfg.grad_accum
+            labels = yb if yb.ndim == 1 else yb.argmax(-1)
+            correct += int((logits.argmax(-1) == labels).sum())
+    if scaler is not None:
+        finite = scaler.unscale(model)               # gradients / S, before clipping looks at them
+        scaler.update(finite)
+        if not finite:                               # float16 overflowed: skip the update, S was halved
+            return total_loss, correct, float("inf")
     grad_norm = clip_grad_norm(model, cfg.clip_grad) if cfg.clip_grad else None
     optimizer.step()
     return total_loss, correct, grad_norm
@@ -432,6 +451,8 @@ def train(cfg, callback=None, model=None, data=None):
     given_model = model is not None
     model = model if given_model else build_model(cfg, data)
     model.train()                                   # a model given in eval mode would train without dropout
+    model.set_matmul_dtype("float16" if cfg.precision == "float16" else None)
+    scaler = LossScaler() if cfg.precision == "float16" else None
     optimizer = build_optimizer(cfg, model)
     step, best, history = 0, 0.0, []
     if resumed is not None:
@@ -440,6 +461,8 @@ def train(cfg, callback=None, model=None, data=None):
         restore_dropout_rngs(model, resumed["meta"]["dropout_rng"])
         extra = resumed["meta"]["extra"]
         step, best = extra["step"], extra["best_val_accuracy"]
+        if scaler is not None:
+            scaler.load_state_dict(extra["loss_scaler"])
         history = _read_history(os.path.join(out, "metrics.jsonl"))
         print(f"resuming {ckpt_path} at step {step} of {total_steps}", flush=True)
     if out is not None:
@@ -462,6 +485,8 @@ def train(cfg, callback=None, model=None, data=None):
     def save(at_step):
         extra = {"step": at_step, "best_val_accuracy": best, "train_config": dataclasses.asdict(cfg),
                  "classes": data.classes, "mean": list(data.mean), "std": list(data.std), "dataset": data.name}
+        if scaler is not None:
+            extra["loss_scaler"] = scaler.state_dict()
         save_checkpoint(ckpt_path, model, optimizer, extra)
 
     if cfg.verbose:
@@ -481,7 +506,11 @@ def train(cfg, callback=None, model=None, data=None):
             optimizer.lr = schedule(step)
             x, y = batch_for_step(step, cfg, x_train, y_train, steps_per_epoch, data.mean, data.std, cfg.dtype,
                                   data.num_classes)
-            loss, correct, _ = train_step(model, optimizer, x, y, cfg)
+            try:
+                loss, correct, _ = train_step(model, optimizer, x, y, cfg, scaler)
+            except FloatingPointError as err:             # the loss scaler gave up: see amp.LossScaler
+                bar.close()
+                raise TrainingDiverged(f"at step {step}: {err}", step=step) from None
             if not math.isfinite(loss):
                 bar.close()
                 kept = "" if ckpt_path is None else (f" The last good checkpoint is kept at {ckpt_path}"
@@ -506,6 +535,8 @@ def train(cfg, callback=None, model=None, data=None):
                           "train_loss": run_loss / max(run_seen, 1), "train_acc": run_correct / max(run_seen, 1),
                           "val_loss": val_loss, "val_acc": val_acc, "lr": optimizer.lr,
                           "images_per_second": ips, "wall_seconds": elapsed}
+                if scaler is not None:
+                    record.update(loss_scale=scaler.scale_value, skipped_steps=scaler.skipped_steps)
                 history.append(record)
                 if out is not None:
                     _append_jsonl(os.path.join(out, "metrics.jsonl"), record)
@@ -533,6 +564,8 @@ def train(cfg, callback=None, model=None, data=None):
                "interrupted": interrupted, "backend": backend.get_backend(), "dataset": data.name,
                "num_params": model.num_params(), "config": model.config.to_dict(),
                "train_config": dataclasses.asdict(cfg)}
+    if scaler is not None:
+        summary.update(loss_scale=scaler.scale_value, skipped_steps=scaler.skipped_steps)
     if out is not None:
         _write_json_atomic(os.path.join(out, "summary.json"), summary)
         if history:
@@ -590,6 +623,8 @@ def _parser():
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--backend", choices=backend.BACKENDS)
     p.add_argument("--dtype", default="float32", choices=("float32", "float64"))
+    p.add_argument("--precision", default="float32", choices=("float32", "float16"),
+                   help="float16: mixed precision (float16 matmuls, float32 master weights, loss scaling); for the GPU")
     p.add_argument("--out", default="runs/default", help="folder for metrics, checkpoint and plots")
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.npz")
     p.add_argument("--init", help="start from pretrained weights (.npz or .safetensors)")

@@ -10,7 +10,8 @@
 #
 # Steps: 1. the machine and a CuPy/torch probe; 2. the test suite on CuPy (pytest --backend cupy);
 # 3. tests/test_gpu.py and tests/test_fast_paths.py (the fused kernels against the reference);
-# 4. the benchmark on the GPU with CUPY_TF32=0, then with CUPY_TF32=1 (torch's TF32 follows it);
+# 4. the benchmark on the GPU with CUPY_TF32=0, then with CUPY_TF32=1 (torch's TF32 follows it), then
+# mixed precision (--precision float16: minivit's float16 matmuls + LossScaler against autocast + GradScaler);
 # 5. the per-layer profile on CuPy. A failing step does not stop the later ones.
 set -u
 cd "$(dirname "$0")/.."
@@ -48,10 +49,11 @@ step suite_on_cupy 300 "$PY" -m pytest -q -p no:cacheprovider --backend cupy tes
 step gpu_and_fast_paths 120 "$PY" -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py tests/test_fast_paths.py
 step bench_tf32_off 240 env CUPY_TF32=0 "$PY" benchmarks/bench.py --device gpu --full --out "$OUT_DIR"
 step bench_tf32_on 180 env CUPY_TF32=1 "$PY" benchmarks/bench.py --device gpu --full --no-profile --out "$OUT_DIR"
+step bench_fp16 150 env CUPY_TF32=1 "$PY" benchmarks/bench.py --device gpu --full --no-sweep --no-profile --precision float16 --out "$OUT_DIR"
 step profile_cupy 60 "$PY" benchmarks/profile_layers.py --backend cupy --batch 128 --repeats 5
 
-echo "---- benchmark tables (TF32 off, then on) ----" | tee -a "$SUMMARY"
-for f in bench_tf32_off bench_tf32_on; do
+echo "---- benchmark tables (TF32 off, TF32 on, mixed float16) ----" | tee -a "$SUMMARY"
+for f in bench_tf32_off bench_tf32_on bench_fp16; do
   sed -n '/^| model/,/^$/p' "$OUT_DIR/$f.log" | tee -a "$SUMMARY"
 done
 echo "all logs and JSON in $OUT_DIR; failed=$failed" | tee -a "$SUMMARY"

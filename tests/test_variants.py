@@ -374,10 +374,10 @@ def test_forward_flops_count_every_matmul_and_convolution(monkeypatch, rng):
     counted = []
     real_linear, real_conv = F.linear_forward, Cv.conv2d_forward
 
-    def linear(x, w, b=None):
+    def linear(x, w, b=None, matmul_dtype=None):
         d_in, d_out = w.shape
         counted.append(2 * (x.size // d_in) * d_in * d_out)            # 2 * rows * in * out
-        return real_linear(x, w, b)
+        return real_linear(x, w, b, matmul_dtype)
 
     def conv(x, w, b=None, stride=1, padding=0):
         out, cache = real_conv(x, w, b, stride, padding)
