@@ -7,7 +7,8 @@ OpenBLAS's threads spinning beside them those threads got no second core at all 
 the CIFAR model on 2 cores: 395 ms; with OPENBLAS_THREAD_TIMEOUT=10, i.e. 2^10 cycles: 345 ms, and the
 large products just as fast). The variable is only read when OpenBLAS loads, that is when NumPy is first
 imported: so it is set here if NumPy is not loaded yet (``import minivit`` first; ``python -m
-minivit.train`` does), and a value already in the environment is kept.
+minivit.train`` does), and a value already in the environment is kept. The lessons' Jupyter kernel has it
+in its environment (the Makefile installs the kernel so), since a notebook imports NumPy first.
 """
 
 import os
