@@ -402,12 +402,6 @@ def _arrays_in(obj, out):
             _arrays_in(o, out)
 
 
-def _all_layers(layer):
-    yield layer
-    for child in layer.children.values():
-        yield from _all_layers(child)
-
-
 def minivit_activation_bytes(model, x):
     """Bytes kept by the layer caches after one training forward: each underlying buffer once,
     parameters excluded."""
@@ -415,7 +409,7 @@ def minivit_activation_bytes(model, x):
     model.forward(x)
     params = {id(_owner(p)) for p in model.params.values()}
     seen, total = set(), 0
-    for layer in _all_layers(model):
+    for layer in model.sublayers():
         arrays = []
         _arrays_in(layer.cache, arrays)
         for a in arrays:
@@ -488,7 +482,7 @@ def tracemalloc_peak(fn):
 def _drop_caches(model):
     """minivit keeps the last step's caches until the next forward replaces them: drop them, so that
     a measurement starts from the same state as PyTorch's (whose graph is freed by backward)."""
-    for layer in _all_layers(model):
+    for layer in model.sublayers():
         layer.cache = None
 
 

@@ -68,6 +68,12 @@ class Layer:
                 self.params[prefix + key] = child.params[key]
                 self.grads[prefix + key] = child.grads[key]
 
+    def sublayers(self):
+        """This layer and every layer inside it, depth first."""
+        yield self
+        for child in self.children.values():
+            yield from child.sublayers()
+
     def zero_grad(self):
         for g in self.grads.values():
             g[...] = 0
@@ -158,7 +164,7 @@ class Classifier(Layer):
             warnings.warn("float16 matrix products on NumPy run without BLAS, a few hundred times slower than "
                           "float32: mixed precision pays on the GPU (CuPy, tensor cores); on the CPU it is for "
                           "tests and lessons", RuntimeWarning, stacklevel=2)
-        for layer in _all_layers(self):
+        for layer in self.sublayers():
             if isinstance(layer, Linear):
                 layer.matmul_dtype = matmul_dtype
         return self
@@ -167,13 +173,6 @@ class Classifier(Layer):
     def matmul_dtype(self):
         """None, or "float16" when set_matmul_dtype made the Linear layers multiply in float16."""
         return self.head.matmul_dtype
-
-
-def _all_layers(layer):
-    """layer and every layer inside it, depth first."""
-    yield layer
-    for child in layer.children.values():
-        yield from _all_layers(child)
 
 
 class Linear(Layer):

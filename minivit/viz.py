@@ -123,10 +123,7 @@ def plot_patch_sequence(patches, patch_size, count=16, title=None):
 
 
 def _dropouts(layer):
-    found = [layer] if isinstance(layer, Dropout) else []
-    for child in layer.children.values():
-        found += _dropouts(child)
-    return found
+    return [sub for sub in layer.sublayers() if isinstance(sub, Dropout)]
 
 
 def attention_weights(model, x, batch_size=64):

@@ -123,7 +123,7 @@ def test_small_gradients_vanish_in_float16_unless_the_loss_is_scaled(rng):
 
 def test_set_matmul_dtype_reaches_every_linear_and_undoes(rng):
     model = minivit.ViT(minivit.ViTConfig(**CONFIG))
-    linears = [layer for layer in _layers(model) if isinstance(layer, minivit.layers.Linear)]
+    linears = [layer for layer in model.sublayers() if isinstance(layer, minivit.layers.Linear)]
     assert len(linears) == 2 + 4 * CONFIG["depth"]                     # patch_embed.proj, head, 4 per block
     assert model.matmul_dtype is None
     mixed(model)
@@ -134,12 +134,6 @@ def test_set_matmul_dtype_reaches_every_linear_and_undoes(rng):
     x, _ = batch(rng)
     model.eval()                                                       # eval mode works in float16 too
     assert mixed(model).forward(minivit.asarray(x, dtype="float32")).dtype == np.float32
-
-
-def _layers(layer):
-    yield layer
-    for child in layer.children.values():
-        yield from _layers(child)
 
 
 @pytest.mark.parametrize("value, match", [("bfloat16", "has a bfloat16 dtype"), ("int8", "'int8'"), (16, "16")])
