@@ -102,8 +102,23 @@ def timm_kwargs(config):
                   num_heads=config.num_heads, mlp_ratio=config.mlp_ratio, qkv_bias=config.qkv_bias,
                   class_token=config.pool == "cls", global_pool="token" if config.pool == "cls" else "avg",
                   fc_norm=False)
+    if config.pre_norm != (not config.patch_bias):
+        raise ValueError(f"timm drops the patch projection's bias exactly when pre_norm is on (as CLIP does); "
+                         f"pre_norm={config.pre_norm} with patch_bias={config.patch_bias} has no timm equivalent")
+    if not config.head_bias:
+        raise ValueError("timm's head always has a bias: head_bias=False has no timm equivalent (CLIP's image "
+                         "projection is open_clip's visual.proj, see minivit.clip.to_open_clip)")
     if config.gelu == "tanh":
         kwargs["act_layer"] = "gelu_tanh"    # timm's name for nn.GELU(approximate="tanh")
+    elif config.gelu == "quick":
+        kwargs["act_layer"] = "quick_gelu"   # timm's QuickGELU, x * sigmoid(1.702 x)
+    if config.pre_norm:
+        kwargs["pre_norm"] = True            # timm's norm_pre, without the patch bias
+    if config.norm_eps != 1e-6:
+        import functools
+
+        from timm.layers import LayerNorm    # only here: these kwargs are for timm anyway
+        kwargs["norm_layer"] = functools.partial(LayerNorm, eps=config.norm_eps)
     return kwargs
 
 
@@ -111,10 +126,14 @@ def expected_shapes(config):
     """name -> shape of every parameter of a minivit ViT with this config (nothing is allocated)."""
     c = config
     D, M, P, C = c.embed_dim, c.mlp_dim, c.patch_size, c.in_chans
-    shapes = {"patch_embed.proj.weight": (P * P * C, D), "patch_embed.proj.bias": (D,)}
+    shapes = {"patch_embed.proj.weight": (P * P * C, D)}
+    if c.patch_bias:
+        shapes["patch_embed.proj.bias"] = (D,)
     if c.pool == "cls":
         shapes["cls_token"] = (1, 1, D)
     shapes["pos_embed"] = (1, c.seq_len, D)
+    if c.pre_norm:
+        shapes.update({"norm_pre.weight": (D,), "norm_pre.bias": (D,)})
     for i in range(c.depth):
         b = f"blocks.{i}."
         shapes.update({b + "norm1.weight": (D,), b + "norm1.bias": (D,), b + "attn.qkv.weight": (D, 3 * D)})
@@ -129,7 +148,9 @@ def expected_shapes(config):
     if c.representation_size is not None:
         R = head_in = c.representation_size
         shapes.update({"pre_logits.fc.weight": (D, R), "pre_logits.fc.bias": (R,)})
-    shapes.update({"head.weight": (head_in, c.num_classes), "head.bias": (c.num_classes,)})
+    shapes["head.weight"] = (head_in, c.num_classes)
+    if c.head_bias:
+        shapes["head.bias"] = (c.num_classes,)
     return shapes
 
 

@@ -484,8 +484,10 @@ def _draw_shapes(n, rng, S, chunk=500):
     return images, labels
 
 
-def _draw_shape_images(labels, rng, S):
-    """One image uint8 (n, S, S, 3) of each label in labels (n,), every random choice taken from rng."""
+def _draw_shape_images(labels, rng, S, fg=None, radius=None, cx=None):
+    """One image uint8 (n, S, S, 3) of each label in labels (n,), every random choice taken from rng.
+    fg (n, 1, 1, 3) colours, radius (n, 1, 1) and cx (n, 1, 1) in pixels: given (minivit/captions.py
+    names them in its captions), they are used instead of drawn."""
     n = labels.shape[0]
     coords = (numpy.arange(S, dtype=numpy.float32) + 0.5)  # pixel centres (S,)
     yy, xx = coords[None, :, None], coords[None, None, :]  # (1, S, 1), (1, 1, S)
@@ -505,11 +507,14 @@ def _draw_shape_images(labels, rng, S):
     # the shape's colour: random too, but bright. With a random polarity (dark shapes on bright
     # grounds as often as the reverse) the demo ViT needs several times more epochs: before an edge
     # means anything it must first learn to compare each patch with the rest of the image.
-    fg = rng.uniform(135, 255, size=(n, 1, 1, 3)).astype(numpy.float32)  # (n, 1, 1, 3)
+    if fg is None:
+        fg = rng.uniform(135, 255, size=(n, 1, 1, 3)).astype(numpy.float32)  # (n, 1, 1, 3)
 
     # geometry: size, position, rotation (small: a square must stay a square, not become a diamond)
-    radius = rng.uniform(*SHAPES_RADIUS, size=(n, 1, 1)).astype(numpy.float32) * S  # (n, 1, 1) pixels
-    cx = rng.uniform(0, 1, size=(n, 1, 1)).astype(numpy.float32) * (S - 2 * radius) + radius
+    if radius is None:
+        radius = rng.uniform(*SHAPES_RADIUS, size=(n, 1, 1)).astype(numpy.float32) * S  # (n, 1, 1) pixels
+    if cx is None:
+        cx = rng.uniform(0, 1, size=(n, 1, 1)).astype(numpy.float32) * (S - 2 * radius) + radius
     cy = rng.uniform(0, 1, size=(n, 1, 1)).astype(numpy.float32) * (S - 2 * radius) + radius
     theta = rng.uniform(-SHAPES_ROTATION, SHAPES_ROTATION, size=(n, 1, 1)).astype(numpy.float32)  # radians
     dx, dy = (xx - cx) / radius, (yy - cy) / radius  # (n, S, S) each

@@ -118,18 +118,28 @@ def layernorm_backward(dout, cache):
 
 # --------------------------------------------------------------------------------------------------
 # GELU: x * Phi(x), Phi the standard normal CDF. "erf" is exact (timm, PyTorch's default);
-# "tanh" is the approximation used by the original JAX/Flax ViT checkpoints.
+# "tanh" is the approximation used by the original JAX/Flax ViT checkpoints; "quick" is OpenAI CLIP's
+# x * sigmoid(1.702 x) (sigmoid(1.702 x) is within 0.01 of Phi(x) everywhere).
 # --------------------------------------------------------------------------------------------------
 
 _SQRT_2 = math.sqrt(2.0)
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
-GELU_KINDS = ("erf", "tanh")
+GELU_KINDS = ("erf", "tanh", "quick")
+_QUICK = 1.702
+
+
+def sigmoid(x):
+    """1 / (1 + exp(-x)), written so that exp never overflows: exp(-|x|) <= 1 on both sides of 0."""
+    xp = get_array_module(x)
+    e = xp.exp(-xp.abs(x))                                    # in (0, 1]
+    return xp.where(x >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
 
 
 def gelu_forward(x, approximate="erf"):
-    """erf:  gelu(x) = x * 0.5 * (1 + erf(x / sqrt 2))
-    tanh: gelu(x) = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
+    """erf:   gelu(x) = x * 0.5 * (1 + erf(x / sqrt 2))
+    tanh:  gelu(x) = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
+    quick: gelu(x) = x sigmoid(1.702 x)
     x: any shape. Returns (out, cache) with out of x's shape. The cache is x alone: backward computes
     Phi(x) (or t) again rather than keeping a second array of x's size, as PyTorch does."""
     if approximate not in GELU_KINDS:
@@ -138,19 +148,25 @@ def gelu_forward(x, approximate="erf"):
     if approximate == "erf":
         cdf = 0.5 * (1.0 + erf(x / _SQRT_2))                  # Phi(x)
         return x * cdf, (x, approximate)
+    if approximate == "quick":
+        return x * sigmoid(_QUICK * x), (x, approximate)
     t = xp.tanh(_SQRT_2_OVER_PI * (x + 0.044715 * x ** 3))
     return 0.5 * x * (1.0 + t), (x, approximate)
 
 
 def gelu_backward(dout, cache):
-    """erf:  d gelu / dx = Phi(x) + x phi(x), phi(x) = exp(-x^2/2) / sqrt(2 pi)
-    tanh: d gelu / dx = 0.5 (1 + t) + 0.5 x (1 - t^2) sqrt(2/pi) (1 + 3 * 0.044715 x^2)"""
+    """erf:   d gelu / dx = Phi(x) + x phi(x), phi(x) = exp(-x^2/2) / sqrt(2 pi)
+    tanh:  d gelu / dx = 0.5 (1 + t) + 0.5 x (1 - t^2) sqrt(2/pi) (1 + 3 * 0.044715 x^2)
+    quick: d gelu / dx = s + 1.702 x s (1 - s), s = sigmoid(1.702 x)   (sigmoid' = s (1 - s))"""
     x, approximate = cache
     xp = get_array_module(x)
     if approximate == "erf":
         cdf = 0.5 * (1.0 + erf(x / _SQRT_2))                  # Phi(x), again
         pdf = _INV_SQRT_2PI * xp.exp(-0.5 * x * x)            # phi(x)
         return dout * (cdf + x * pdf)
+    if approximate == "quick":
+        s = sigmoid(_QUICK * x)                               # again
+        return dout * (s + _QUICK * x * s * (1.0 - s))
     t = xp.tanh(_SQRT_2_OVER_PI * (x + 0.044715 * x ** 3))   # t, again
     dt = (1.0 - t * t) * _SQRT_2_OVER_PI * (1.0 + 3 * 0.044715 * x * x)
     return dout * (0.5 * (1.0 + t) + 0.5 * x * dt)
@@ -202,14 +218,19 @@ def merge_heads(dq, dk, dv):
     return dqkv.reshape(B, N, 3 * nh * hs)                    # (B, N, 3D)
 
 
-def attention_forward(qkv, num_heads):
-    """Scaled dot-product attention of every head: softmax(q k^T / sqrt(hs)) v, heads concatenated.
-    qkv: (B, N, 3D) from the packed projection. Returns out (B, N, D) and the cache."""
+def attention_forward(qkv, num_heads, mask=None):
+    """Scaled dot-product attention of every head: softmax(q k^T / sqrt(hs) + mask) v, heads concatenated.
+    qkv: (B, N, 3D) from the packed projection. mask: None, or an additive (N, N) array (PyTorch's float
+    attn_mask): 0 where query i may read key j, -inf where it may not (causal_mask), the same for every
+    image and head; no row may be all -inf. Returns out (B, N, D) and the cache. The backward needs no
+    mask: a masked weight is 0, and the softmax's backward gives it a zero gradient."""
     B, N, D3 = qkv.shape
     D = D3 // 3
     q, k, v = split_heads(qkv, num_heads)                     # each (B, nh, N, hs)
     scale = 1.0 / math.sqrt(D // num_heads)                   # 1 / sqrt(hs)
     scores = (q * scale) @ k.swapaxes(-1, -2)                 # (B, nh, N, N)
+    if mask is not None:
+        scores = scores + mask                                # (B, nh, N, N), -inf where masked
     attn, _ = softmax_forward(scores)                         # (B, nh, N, N), rows sum to 1
     ctx = attn @ v                                            # (B, nh, N, hs)
     out = ctx.transpose(0, 2, 1, 3).reshape(B, N, D)          # (B, N, D), heads side by side
@@ -235,6 +256,37 @@ def attention_weights(cache):
     """The attention weights softmax(q k^T / sqrt(hs)), (B, nh, N, N), kept in attention_forward's cache.
     (ops.attention_weights also reads the cache of the fused kernel, which recomputes them.)"""
     return cache[3]                                           # the cache is (q, k, v, attn, scale)
+
+
+def causal_mask(x):
+    """The additive causal mask for the N tokens of x (B, N, D): (N, N), 0 where j <= i and -inf where
+    j > i, so that token i attends to tokens 0 ... i only (a GPT-style, or CLIP's text, Transformer)."""
+    xp = get_array_module(x)
+    N = x.shape[1]
+    future = xp.triu(xp.ones((N, N), dtype=bool), 1)         # (N, N) True above the diagonal
+    return xp.where(future, -xp.inf, 0.0).astype(x.dtype)    # (N, N)
+
+
+# --------------------------------------------------------------------------------------------------
+# Embedding: a lookup table, row ids[b, n] of weight (the token embedding of a text Transformer)
+# --------------------------------------------------------------------------------------------------
+
+
+def embedding_forward(ids, weight):
+    """out[b, n] = weight[ids[b, n]]. ids: int (B, N) in [0, V); weight: (V, D). Returns out (B, N, D)
+    and the cache. The same as onehot(ids) @ weight, without building the (B, N, V) one-hot array."""
+    return weight[ids], (ids, weight.shape)
+
+
+def embedding_backward(dout, cache):
+    """dweight[v] = sum of dout[b, n] over every (b, n) with ids[b, n] = v (the one-hot product's
+    transpose); ids get no gradient. add.at adds repeated ids each time (plain dweight[ids] += dout
+    would keep only one of them)."""
+    ids, shape = cache
+    xp = get_array_module(dout)
+    dweight = xp.zeros(shape, dtype=dout.dtype)               # (V, D)
+    xp.add.at(dweight, ids.reshape(-1), dout.reshape(-1, shape[1]))
+    return dweight
 
 
 # --------------------------------------------------------------------------------------------------

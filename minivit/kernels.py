@@ -59,12 +59,12 @@ def _is_cupy(x):
 
 
 class AttentionCache(tuple):
-    """What the fused attention forward keeps: (qkv (B, N, 3D), lse (B, nh, N), num_heads); the attention
-    weights are recomputed from it (functional.attention_weights)."""
+    """What the fused attention forward keeps: (qkv (B, N, 3D), lse (B, nh, N), num_heads, mask (N, N) or
+    None); the attention weights are recomputed from it (ops.attention_weights)."""
     __slots__ = ()
 
-    def __new__(cls, qkv, lse, num_heads):
-        return super().__new__(cls, (qkv, lse, num_heads))
+    def __new__(cls, qkv, lse, num_heads, mask=None):
+        return super().__new__(cls, (qkv, lse, num_heads, mask))
 
 
 # ==================================================================================================
@@ -245,11 +245,34 @@ def _gelu_tanh_bwd(x, dout, dx):
         dx[i] = dout[i] * (f32(0.5) * (f32(1.0) + t) + f32(0.5) * v * dt)
 
 
+# quick (OpenAI CLIP's): y = x s, s = sigmoid(1.702 x) = 1 / (1 + e^(-1.702 x)),  dx = dout (s + 1.702 x s (1 - s))
+# (_exp32 clamps its argument, so e^(-1.702 x) stays finite and s goes smoothly to 0 or 1)
+
+_C_QUICK = f32(1.702)
+
+
+@_kernel
+def _gelu_quick_fwd(x, y):
+    for i in prange(x.size):
+        s = f32(1.0) / (f32(1.0) + _exp32(-_C_QUICK * x[i]))
+        y[i] = x[i] * s
+
+
+@_kernel
+def _gelu_quick_bwd(x, dout, dx):
+    for i in prange(x.size):
+        v = x[i]
+        s = f32(1.0) / (f32(1.0) + _exp32(-_C_QUICK * v))
+        dx[i] = dout[i] * (s + _C_QUICK * v * s * (f32(1.0) - s))
+
+
 def _gelu_cpu(x, dout, approximate):
     xf = _flat(x)
     out = numpy.empty_like(xf)
     if approximate == "erf":
         _gelu_erf_fwd(xf, out) if dout is None else _gelu_erf_bwd(xf, _flat(dout), out)
+    elif approximate == "quick":
+        _gelu_quick_fwd(xf, out) if dout is None else _gelu_quick_bwd(xf, _flat(dout), out)
     else:
         _gelu_tanh_fwd(xf, out) if dout is None else _gelu_tanh_bwd(xf, _flat(dout), out)
     return out.reshape(x.shape)
@@ -515,6 +538,10 @@ _GELU_ERF_BWD = """
     T cdf = (T)0.5 * ((T)1 + erf(x * (T)0.70710678118654752));
     T pdf = exp((T)(-0.5) * x * x) * (T)0.39894228040143264;
     dx = dout * (cdf + x * pdf);"""
+_GELU_QUICK_FWD = "y = x / ((T)1 + exp((T)(-1.702) * x));"
+_GELU_QUICK_BWD = """
+    T s = (T)1 / ((T)1 + exp((T)(-1.702) * x));
+    dx = dout * (s + (T)1.702 * x * s * ((T)1 - s));"""
 _GELU_TANH_FWD = """
     T t = tanh((T)0.79788456080286536 * (x + (T)0.044715 * x * x * x));
     y = (T)0.5 * x * ((T)1 + t);"""
@@ -827,7 +854,14 @@ def _three_heads(a, num_heads):
     return tuple(_heads(a[..., i * D:(i + 1) * D], num_heads) for i in range(3))
 
 
-def _fused_attention_forward(qkv, num_heads):
+def _mask_in_score_units(mask, scale, xp):
+    """The additive mask divided by the scale, (N, N) float32: added to the raw scores q.k before the row
+    kernel multiplies them by the scale, it adds the mask to scale q.k (-inf stays -inf; the kernels'
+    exp of -inf is ~1e-38 on the CPU, 0 on the GPU: a masked weight is 0 to float32 precision)."""
+    return None if mask is None else (xp.asarray(mask, dtype=numpy.float32) / scale).astype(numpy.float32)
+
+
+def _fused_attention_forward(qkv, num_heads, mask=None):
     gpu = _is_cupy(qkv)
     xp = _cupy() if gpu else numpy
     softmax_lse = _gpu_softmax_lse if gpu else _softmax_lse      # the row kernel: CUDA or Numba
@@ -838,18 +872,21 @@ def _fused_attention_forward(qkv, num_heads):
     out = xp.empty((B, N, D), qkv.dtype)                         # (B, N, D), heads side by side
     lse = xp.empty((B, num_heads, N), qkv.dtype)                 # (B, nh, N)
     out_heads = _heads(out, num_heads)                           # (B, nh, N, hs) view of out
+    m = _mask_in_score_units(mask, scale, xp)                    # (N, N) or None
 
     def chunk(b0, b1):
         s = q[b0:b1] @ k[b0:b1].swapaxes(-1, -2)                 # (b, nh, N, N)  q.k
+        if m is not None:
+            s += m                                               # -inf where masked
         softmax_lse(s.reshape(-1, N), scale, lse[b0:b1].reshape(-1))   # s -> attention weights p
         xp.matmul(s, v[b0:b1], out=out_heads[b0:b1])             # (b, nh, N, hs)  p v, into place
 
     _run_chunks(chunk, B, num_heads, N, qkv.itemsize, gpu)
-    return out, AttentionCache(qkv, lse, num_heads)
+    return out, AttentionCache(qkv, lse, num_heads, mask)
 
 
 def _fused_attention_backward(dout, cache):
-    qkv, lse, num_heads = cache
+    qkv, lse, num_heads, mask = cache
     gpu = _is_cupy(qkv)
     xp = _cupy() if gpu else numpy
     softmax_lse_bwd = _gpu_softmax_lse_bwd if gpu else _softmax_lse_bwd
@@ -860,10 +897,13 @@ def _fused_attention_backward(dout, cache):
     dqkv = xp.empty(qkv.shape, qkv.dtype)                        # (B, N, 3D), every value written
     dq, dk, dv = _three_heads(dqkv, num_heads)                   # views into dqkv
     dctx = _heads(dout, num_heads)                               # (B, nh, N, hs)
+    m = _mask_in_score_units(mask, scale, xp)                    # (N, N) or None
 
     def chunk(b0, b1):
         c = slice(b0, b1)
         s = q[c] @ k[c].swapaxes(-1, -2)                         # (b, nh, N, N)  q.k, again
+        if m is not None:
+            s += m
         dp = dctx[c] @ v[c].swapaxes(-1, -2)                     # (b, nh, N, N)  dL/dp = dctx v^T
         softmax_lse_bwd(s.reshape(-1, N), dp.reshape(-1, N), lse[c].reshape(-1), scale)  # s -> p, dp -> ds
         xp.matmul(s.swapaxes(-1, -2), dctx[c], out=dv[c])        # dv = p^T dctx
@@ -881,7 +921,7 @@ def _fused_attention_backward(dout, cache):
 def gelu_forward(x, approximate="erf"):
     """As functional.gelu_forward: (out, cache) with cache = (x, approximate)."""
     if _is_cupy(x):
-        body = _GELU_ERF_FWD if approximate == "erf" else _GELU_TANH_FWD
+        body = {"erf": _GELU_ERF_FWD, "tanh": _GELU_TANH_FWD, "quick": _GELU_QUICK_FWD}[approximate]
         out = _elementwise(f"minivit_gelu_{approximate}_fwd", "T x", "T y", body)(x)
     else:
         out = _gelu_cpu(x, None, approximate)
@@ -892,7 +932,7 @@ def gelu_backward(dout, cache):
     """As functional.gelu_backward: dx."""
     x, approximate = cache
     if _is_cupy(x):
-        body = _GELU_ERF_BWD if approximate == "erf" else _GELU_TANH_BWD
+        body = {"erf": _GELU_ERF_BWD, "tanh": _GELU_TANH_BWD, "quick": _GELU_QUICK_BWD}[approximate]
         return _elementwise(f"minivit_gelu_{approximate}_bwd", "T dout, T x", "T dx", body)(dout, x)
     return _gelu_cpu(x, dout, approximate)
 
@@ -916,9 +956,9 @@ def softmax_forward(x):
     return _gpu_softmax_forward(x) if _is_cupy(x) else _softmax_forward_cpu(x)
 
 
-def attention_forward(qkv, num_heads):
+def attention_forward(qkv, num_heads, mask=None):
     """As functional.attention_forward, fused (NumPy with Numba, or CuPy): (out, AttentionCache)."""
-    return _fused_attention_forward(qkv, num_heads)
+    return _fused_attention_forward(qkv, num_heads, mask)
 
 
 def attention_backward(dout, cache):

@@ -213,7 +213,7 @@ class Linear(Layer):
 
 
 class LayerNorm(Layer):
-    """Normalise each token over its D features, then scale and shift (eps 1e-6, as ViT)."""
+    """Normalise each token over its D features, then scale and shift (eps 1e-6, as ViT; CLIP: 1e-5)."""
 
     def __init__(self, dim, eps=1e-6, dtype="float32"):
         super().__init__()
@@ -239,7 +239,8 @@ class LayerNorm(Layer):
 
 
 class GELU(Layer):
-    """gelu(x) = x Phi(x); approximate="erf" (exact, timm) or "tanh" (the JAX checkpoints)."""
+    """gelu(x) = x Phi(x); approximate="erf" (exact, timm), "tanh" (the JAX checkpoints) or "quick"
+    (x sigmoid(1.702 x), OpenAI's CLIP)."""
 
     def __init__(self, approximate="erf"):
         super().__init__()
@@ -311,7 +312,8 @@ class MLP(Layer):
 
 class Attention(Layer):
     """Multi-head self-attention: qkv = x W_qkv (one packed projection), per-head softmax(q k^T / sqrt(hs)) v,
-    heads concatenated and projected back to D."""
+    heads concatenated and projected back to D. ``forward(x, mask)``: an additive (N, N) mask, e.g.
+    functional.causal_mask(x) for a text Transformer (None: every token reads every token)."""
 
     def __init__(self, dim, num_heads, qkv_bias=True, drop=0.0, rng=None, dtype="float32", seed=0):
         super().__init__()
@@ -323,9 +325,9 @@ class Attention(Layer):
         self.drop = self.add("drop", Dropout(drop, seed=seed))
         self.gather()
 
-    def forward(self, x):                                            # (B, N, D)
+    def forward(self, x, mask=None):                                 # (B, N, D)
         qkv = self.qkv.forward(x)                                    # (B, N, 3D)
-        ctx, cache = ops.attention_forward(qkv, self.num_heads)        # (B, N, D)
+        ctx, cache = ops.attention_forward(qkv, self.num_heads, mask)  # (B, N, D)
         self.cache = cache if self.training else None
         return self.drop.forward(self.proj.forward(ctx))             # (B, N, D)
 
@@ -348,10 +350,11 @@ class PatchEmbed(Layer):
     (B, H, W, C) -> im2patch -> (B, N, P*P*C) -> x_p E -> (B, N, D). Equal to a convolution with
     kernel = stride = P (tests/test_layers.py shows it)."""
 
-    def __init__(self, img_size, patch_size, in_chans, embed_dim, rng=None, dtype="float32"):
+    def __init__(self, img_size, patch_size, in_chans, embed_dim, bias=True, rng=None, dtype="float32"):
         super().__init__()
         self.img_size, self.patch_size, self.in_chans = tuple(img_size), patch_size, in_chans
-        self.proj = self.add("proj", Linear(patch_size * patch_size * in_chans, embed_dim, rng=rng, dtype=dtype))
+        self.proj = self.add("proj", Linear(patch_size * patch_size * in_chans, embed_dim, bias=bias, rng=rng,
+                                            dtype=dtype))
         self.gather()
 
     def forward(self, x):                                    # (B, H, W, C)
@@ -498,21 +501,22 @@ class Block(Layer):
     """The pre-norm transformer block, paper Eqs. 2-3:
         x1  = x  + attn(norm1(x))        z'_l = MSA(LN(z_{l-1})) + z_{l-1}
         out = x1 + mlp(norm2(x1))        z_l  = MLP(LN(z'_l)) + z'_l
-    drop_path > 0 randomly skips a sample's residual branches in training (stochastic depth)."""
+    drop_path > 0 randomly skips a sample's residual branches in training (stochastic depth).
+    ``forward(x, mask)`` passes an additive attention mask on to attn (CLIP's text tower: causal)."""
 
     def __init__(self, dim, num_heads, mlp_ratio=4.0, qkv_bias=True, gelu="erf", drop=0.0, drop_path=0.0,
-                 rng=None, dtype="float32", seed=0):
+                 rng=None, dtype="float32", seed=0, eps=1e-6):
         super().__init__()
-        self.norm1 = self.add("norm1", LayerNorm(dim, dtype=dtype))
+        self.norm1 = self.add("norm1", LayerNorm(dim, eps=eps, dtype=dtype))
         self.attn = self.add("attn", Attention(dim, num_heads, qkv_bias, drop, rng=rng, dtype=dtype, seed=seed))
-        self.norm2 = self.add("norm2", LayerNorm(dim, dtype=dtype))
+        self.norm2 = self.add("norm2", LayerNorm(dim, eps=eps, dtype=dtype))
         self.mlp = self.add("mlp", MLP(dim, int(dim * mlp_ratio), gelu, drop, rng=rng, dtype=dtype, seed=seed + 1))
         self.drop_path1 = self.add("drop_path1", Dropout(drop_path, per_sample=True, seed=seed + 2))
         self.drop_path2 = self.add("drop_path2", Dropout(drop_path, per_sample=True, seed=seed + 3))
         self.gather()
 
-    def forward(self, x):                                                    # (B, N, D)
-        x1 = x + self.drop_path1.forward(self.attn.forward(self.norm1.forward(x)))   # (B, N, D)
+    def forward(self, x, mask=None):                                         # (B, N, D)
+        x1 = x + self.drop_path1.forward(self.attn.forward(self.norm1.forward(x), mask))   # (B, N, D)
         return x1 + self.drop_path2.forward(self.mlp.forward(self.norm2.forward(x1)))  # (B, N, D)
 
     def backward(self, dout):                                                # (B, N, D)
@@ -520,6 +524,30 @@ class Block(Layer):
         dx1 = dout + self.norm2.backward(self.mlp.backward(self.drop_path2.backward(dout)))
         # x1 = x + attn(norm1(x))
         return dx1 + self.norm1.backward(self.attn.backward(self.drop_path1.backward(dx1)))
+
+
+class Embedding(Layer):
+    """A lookup table: token ids (B, N) -> their rows of weight (V, D), (B, N, D). backward fills the
+    weight's gradient and returns None: integer ids have no gradient."""
+
+    def __init__(self, num_embeddings, dim, rng=None, dtype="float32", std=0.02):
+        super().__init__()
+        rng = host_rng(0) if rng is None else rng
+        self.num_embeddings, self.dim = num_embeddings, dim
+        self.params["weight"] = trunc_normal(rng, (num_embeddings, dim), std, dtype)   # (V, D)
+        self.grads["weight"] = zeros((num_embeddings, dim), dtype)
+
+    def forward(self, ids):                                  # (B, N) int -> (B, N, D)
+        out, cache = F.embedding_forward(ids, self.params["weight"])
+        self.cache = cache if self.training else None
+        return out
+
+    def backward(self, dout):                                # (B, N, D)
+        self.grads["weight"] += F.embedding_backward(dout, self._need_cache())
+        return None
+
+    def extra_repr(self):
+        return f"{self.num_embeddings}, {self.dim}"
 
 
 class Pool(Layer):

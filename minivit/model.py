@@ -3,6 +3,7 @@
     image (B, H, W, C)
       -> patch_embed   im2patch + linear projection E        (B, N, D)      Eq. 1
       -> pos_embed     prepend x_class, add E_pos            (B, N+1, D)    Eq. 1
+     [-> norm_pre      LayerNorm                             (B, N+1, D)    only pre_norm=True: CLIP's ln_pre]
       -> blocks        depth x pre-norm (MSA, MLP) blocks    (B, N+1, D)    Eqs. 2-3
       -> norm          final LayerNorm                       (B, N+1, D)    Eq. 4
       -> pool          class token (or mean of tokens)       (B, D)         Eq. 4
@@ -11,7 +12,9 @@
 
 The paper's variants are options of the same stages: ``stem="conv"`` makes patch_embed the hybrid's small
 CNN (minivit/conv.py, §3.1), and ``pos_embed="learned2d" | "sincos2d" | "none"`` makes pos_embed a
-GridPosEmbed (layers.py, App. D.4). experiments/ and notebook 11 compare them.
+GridPosEmbed (layers.py, App. D.4). experiments/ and notebook 11 compare them. CLIP's image tower
+(minivit/clip.py) is this ViT with ``pre_norm=True, patch_bias=False, norm_eps=1e-5, head_bias=False`` and
+often ``gelu="quick"``: the options timm's VisionTransformer has for its CLIP models.
 
 Parameter names are timm's (``patch_embed.proj.weight``, ``cls_token``, ``blocks.0.attn.qkv.weight``...);
 the layouts are minivit's own (linear weights (in, out), the patch projection (P*P*C, D) in (P, P, C)
@@ -57,6 +60,11 @@ class ViTConfig:
     stem: str = "patch"            # "patch": P x P patches, linearly projected; "conv": the hybrid, a small
                                    # CNN of total stride P whose feature map is cut into 1x1 patches
     stem_width: int = 32           # conv stem only: channels of its first conv, doubled by each stride-2 conv
+    # CLIP's image tower (minivit/clip.py); timm has each of them for its CLIP models
+    pre_norm: bool = False         # a LayerNorm (norm_pre; CLIP's ln_pre) after the position embeddings
+    patch_bias: bool = True        # the patch projection's bias (CLIP has none; timm drops it with pre_norm)
+    norm_eps: float = 1e-6         # every LayerNorm's eps: 1e-6 as ViT, 1e-5 as CLIP (PyTorch's default)
+    head_bias: bool = True         # the head's bias (CLIP's image projection has none)
 
     def __post_init__(self):
         img = self.img_size
@@ -103,6 +111,13 @@ class ViTConfig:
             raise ValueError(f"stem must be 'patch' or 'conv', got {self.stem!r}")
         if not isinstance(self.stem_width, int) or isinstance(self.stem_width, bool) or self.stem_width < 1:
             raise ValueError(f"stem_width must be a positive int, got {self.stem_width!r}")
+        for name in ("pre_norm", "patch_bias", "head_bias"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if not isinstance(self.norm_eps, (int, float)) or isinstance(self.norm_eps, bool) or not self.norm_eps > 0:
+            raise ValueError(f"norm_eps must be a positive number, got {self.norm_eps!r}")
+        if self.stem == "conv" and not self.patch_bias:
+            raise ValueError("patch_bias=False is an option of the patch stem (stem='patch'), not of the conv stem")
         if self.stem == "conv" and P & (P - 1):
             raise ValueError(f"stem='conv' needs a power-of-two patch_size (the stem halves H and W log2(P) "
                              f"times to reach the patch grid), got patch_size={P}")
@@ -136,7 +151,7 @@ class ViTConfig:
         """The parameter count, computed from the shapes alone (nothing is allocated)."""
         D, M, K = self.embed_dim, self.mlp_dim, self.num_classes
         R = self.representation_size
-        patch = self.patch_size ** 2 * self.in_chans * D + D          # E and its bias
+        patch = self.patch_size ** 2 * self.in_chans * D + (D if self.patch_bias else 0)  # E and its bias
         if self.stem == "conv":                                       # 3x3 convs (no bias) + GroupNorms, then E
             chans = (self.in_chans,) + self.stem_channels
             patch = sum(9 * a * b + 2 * b for a, b in zip(chans[:-1], chans[1:])) + chans[-1] * D + D
@@ -150,7 +165,9 @@ class ViTConfig:
                  + D * M + M + M * D + D)                             # fc1, fc2
         pre_logits = 0 if R is None else D * R + R                    # the tanh layer, if any
         head_in = D if R is None else R
-        return patch + tokens + self.depth * block + 2 * D + pre_logits + head_in * K + K  # + final norm, head
+        pre_norm = 2 * D if self.pre_norm else 0                      # norm_pre
+        head = head_in * K + (K if self.head_bias else 0)
+        return patch + tokens + pre_norm + self.depth * block + 2 * D + pre_logits + head  # + final norm
 
     def to_dict(self):
         d = dataclasses.asdict(self)
@@ -187,7 +204,8 @@ class ViT(Classifier):
                                                                 rng=rng, dtype=dtype))
         else:
             self.patch_embed = self.add("patch_embed", PatchEmbed(c.img_size, c.patch_size, c.in_chans,
-                                                                  c.embed_dim, rng=rng, dtype=dtype))
+                                                                  c.embed_dim, bias=c.patch_bias, rng=rng,
+                                                                  dtype=dtype))
         # cls_token and pos_embed are top-level names in timm: registered with an empty prefix
         if c.pos_embed == "learned":
             self.pos_embed = self.add("", PosEmbed(c.num_patches, c.embed_dim, class_token=c.pool == "cls",
@@ -196,20 +214,23 @@ class ViT(Classifier):
             self.pos_embed = self.add("", GridPosEmbed(c.grid_size, c.embed_dim, c.pos_embed,
                                                        class_token=c.pool == "cls", rng=rng, dtype=dtype))
         self.pos_drop = self.add("pos_drop", Dropout(c.drop_rate, seed=seed * 1000 + 999))
+        self.norm_pre = None
+        if c.pre_norm:
+            self.norm_pre = self.add("norm_pre", LayerNorm(c.embed_dim, eps=c.norm_eps, dtype=dtype))
         self.blocks = []
         for i in range(c.depth):
             drop_path = c.drop_path_rate * i / max(c.depth - 1, 1)   # linear rule of stochastic depth
             block = Block(c.embed_dim, c.num_heads, c.mlp_ratio, c.qkv_bias, c.gelu, c.drop_rate, drop_path,
-                          rng=rng, dtype=dtype, seed=seed * 1000 + 10 * i)
+                          rng=rng, dtype=dtype, seed=seed * 1000 + 10 * i, eps=c.norm_eps)
             self.blocks.append(self.add(f"blocks.{i}", block))
-        self.norm = self.add("norm", LayerNorm(c.embed_dim, dtype=dtype))
+        self.norm = self.add("norm", LayerNorm(c.embed_dim, eps=c.norm_eps, dtype=dtype))
         self.pool = self.add("pool", Pool(c.pool))
         self.pre_logits = None
         if c.representation_size is not None:
             self.pre_logits = self.add("pre_logits", PreLogits(c.embed_dim, c.representation_size,
                                                                rng=rng, dtype=dtype))
         head_in = c.embed_dim if c.representation_size is None else c.representation_size
-        self.head = self.add("head", Linear(head_in, c.num_classes, rng=rng, dtype=dtype))
+        self.head = self.add("head", Linear(head_in, c.num_classes, bias=c.head_bias, rng=rng, dtype=dtype))
         self.gather()
 
     def stages(self):
@@ -217,6 +238,8 @@ class ViT(Classifier):
         stages = [("patch_embed", self.patch_embed), ("pos_embed", self.pos_embed)]
         if self.config.drop_rate > 0:
             stages.append(("pos_drop", self.pos_drop))
+        if self.norm_pre is not None:
+            stages.append(("norm_pre", self.norm_pre))
         stages += [(f"blocks.{i}", b) for i, b in enumerate(self.blocks)]
         stages += [("norm", self.norm), ("pool", self.pool)]
         if self.pre_logits is not None:
@@ -355,6 +378,7 @@ _NOTES = {
     "pos_embed sincos2d": "z_0 = [x_class; x_p E + fixed 2-D sin-cos]",
     "pos_embed none": "z_0 = [x_class; x_p E]: no position information",
     "pos_embed": "z_0 = [x_class; x_p E] + E_pos (Eq. 1)",
+    "norm_pre": "LN(z_0): CLIP's ln_pre, before the blocks",
     "norm": "LN(z_L) (Eq. 4)",
     "pool": "y = LN(z_L)^0, the class token (Eq. 4)",
     "pre_logits": "tanh(y W_r + b_r), the representation layer of pre-training",

@@ -21,9 +21,10 @@ functional.py (every name it defines), so a pair replaced while the process runs
     linear     linear_forward, linear_backward            dW in BLAS's better order;          float16 or not
                                                           matmul_dtype="float16" (amp.py)
     layernorm  layernorm_forward, layernorm_backward      one fused pass per row              D
-    gelu       gelu_forward, gelu_backward                one fused pass                      erf | tanh
+    gelu       gelu_forward, gelu_backward                one fused pass                      erf | tanh | quick
     softmax    softmax_forward, softmax_backward          one fused pass per row              row length
-    attention  attention_forward, attention_backward      chunks, log-sum-exp kept, not N x N N, D, heads
+    attention  attention_forward, attention_backward      chunks, log-sum-exp kept, not N x N N, D, heads,
+                                                                                              masked or not
     adamw      adamw_update                               one pass per parameter (CPU)        -
 
 Layers call these functions for the ops above, and functional.py directly for the others (patches,
@@ -246,10 +247,11 @@ def _probe_softmax(module, on_device, rng, key):
 
 
 def _probe_attention(module, on_device, rng, key):
-    N, D, num_heads = key
+    N, D, num_heads, masked = key
     qkv = on_device(rng.standard_normal((2, N, 3 * D)))
     dout = on_device(rng.standard_normal((2, N, D)))
-    out, cache = module.attention_forward(qkv, num_heads)
+    mask = F.causal_mask(qkv) if masked else None             # a masked op is probed with the causal mask
+    out, cache = module.attention_forward(qkv, num_heads, mask)
     dqkv = module.attention_backward(dout, cache)
     weights = attention_weights(cache) if module is kernels else F.attention_weights(cache)
     return {"out": out, "dqkv": dqkv, "weights": weights}
@@ -328,11 +330,11 @@ def softmax_backward(dout, cache):
     return F.softmax_backward(dout, cache)
 
 
-def attention_forward(qkv, num_heads):
+def attention_forward(qkv, num_heads, mask=None):
     B, N, D3 = qkv.shape
-    if uses_twin("attention", qkv, (N, D3 // 3, num_heads)):
-        return kernels.attention_forward(qkv, num_heads)     # cache: a kernels.AttentionCache
-    return F.attention_forward(qkv, num_heads)
+    if uses_twin("attention", qkv, (N, D3 // 3, num_heads, mask is not None)):
+        return kernels.attention_forward(qkv, num_heads, mask)   # cache: a kernels.AttentionCache
+    return F.attention_forward(qkv, num_heads, mask)
 
 
 def attention_backward(dout, cache):
@@ -343,15 +345,18 @@ def attention_backward(dout, cache):
 
 
 def attention_weights(cache):
-    """The weights softmax(q k^T / sqrt(hs)), (B, nh, N, N), from either forward's cache: kept by
+    """The weights softmax(q k^T / sqrt(hs) + mask), (B, nh, N, N), from either forward's cache: kept by
     functional.attention_forward, recomputed from the fused one's log-sum-exp (p_ij = exp(s_ij - lse_i))."""
     if not isinstance(cache, kernels.AttentionCache):
         return F.attention_weights(cache)
-    qkv, lse, num_heads = cache
+    qkv, lse, num_heads, mask = cache
     q, k, _ = F.split_heads(qkv, num_heads)                   # each (B, nh, N, hs)
     scale = 1.0 / math.sqrt(q.shape[-1])
     xp = get_array_module(qkv)
-    return xp.exp((q * scale) @ k.swapaxes(-1, -2) - lse[..., None])   # (B, nh, N, N)
+    scores = (q * scale) @ k.swapaxes(-1, -2)                 # (B, nh, N, N)
+    if mask is not None:
+        scores = scores + mask                                # exp(-inf) = 0: masked weights are 0
+    return xp.exp(scores - lse[..., None])                    # (B, nh, N, N)
 
 
 def adamw_update(p, g, m, v, lr, beta1, beta2, eps, weight_decay, step):

@@ -12,6 +12,7 @@ import minivit
 from minivit import captions as C
 from minivit import clip
 from minivit import functional as F
+from minivit import kernels, ops
 from minivit import layers as L
 
 TOL = 1e-7
@@ -422,3 +423,78 @@ def test_a_tiny_clip_learns_to_match_its_pairs(rng):
         losses.append(loss)
     assert losses[0] > 0.8 * math.log(B) and losses[-1] < 0.05, (losses[0], losses[-1])
     assert model.logit_scale != math.log(1 / 0.07)            # the temperature was learned too
+
+
+# ---- the fast paths of the new pairs (minivit/kernels.py), against the reference in float64 -------------
+
+needs_numba = pytest.mark.skipif(not kernels.HAVE_NUMBA, reason="the CPU fast paths need Numba")
+
+
+def rel(a, b):
+    a, b = minivit.to_numpy(a).astype(np.float64), minivit.to_numpy(b).astype(np.float64)
+    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
+
+
+def _fast_against_reference(xp_of, rng):
+    """QuickGELU and causally masked attention, forward and backward: kernels (float32) against
+    functional (float64), on arrays of backend xp_of."""
+    x = np.concatenate([rng.standard_normal(10_007) * 4, [-100.0, -60.0, 0.0, 60.0, 100.0]])
+    dout = rng.standard_normal(x.shape)
+    out, cache = kernels.gelu_forward(xp_of(x, "float32"), "quick")
+    ref, ref_cache = F.gelu_forward(xp_of(x, "float64"), "quick")
+    assert rel(out, ref) < 1e-6
+    assert rel(kernels.gelu_backward(xp_of(dout, "float32"), cache), F.gelu_backward(xp_of(dout, "float64"), ref_cache)) < 1e-6
+
+    qkv = rng.standard_normal((5, 13, 3 * 12)) * 2                     # 13 tokens, 3 heads of 4
+    dctx = rng.standard_normal((5, 13, 12))
+    q32, q64 = xp_of(qkv, "float32"), xp_of(qkv, "float64")
+    out, cache = kernels.attention_forward(q32, 3, F.causal_mask(q32))
+    ref, ref_cache = F.attention_forward(q64, 3, F.causal_mask(q64))
+    assert rel(out, ref) < 1e-5
+    assert rel(kernels.attention_backward(xp_of(dctx, "float32"), cache),
+               F.attention_backward(xp_of(dctx, "float64"), ref_cache)) < 1e-5
+
+
+@needs_numba
+def test_fast_paths_of_quick_gelu_and_masked_attention_cpu(rng):
+    _fast_against_reference(lambda a, dtype: np.asarray(a, dtype=dtype), rng)
+
+
+@pytest.mark.gpu
+def test_fast_paths_of_quick_gelu_and_masked_attention_gpu(rng):
+    _fast_against_reference(lambda a, dtype: minivit.asarray(a, dtype=dtype, backend="cupy"), rng)
+
+
+@needs_numba
+def test_a_float32_clip_runs_the_checked_twins_and_reads_causal_weights(rng):
+    """ops probes QuickGELU and the masked attention like the others, and takes their twins; the weights
+    recomputed from the fused cache are causal."""
+    import dataclasses
+
+    ops.reset()
+    model = clip.CLIP(dataclasses.replace(TINY, gelu="quick"))
+    tokens = tokens_of(rng, 3)
+    model.forward(minivit.asarray(rng.standard_normal((3, 8, 8, 3)).astype("float32")), tokens)
+    rows = {(r[0], r[2]): r[3] for r in ops.report()}
+    assert rows[("gelu", ("quick",))] == "kernels.py"
+    assert rows[("attention", (6, 8, 2, True))] == "kernels.py"          # the text tower's, masked
+    assert rows[("attention", (5, 12, 3, False))] == "kernels.py"         # the image tower's
+    w = minivit.to_numpy(model.text.blocks[0].attn.attn)                  # (3, 2, 6, 6) from the fused cache
+    assert np.abs(np.triu(w, 1)).max() < 1e-30 and np.allclose(w.sum(-1), 1, atol=1e-5)
+
+
+def test_vit_options_for_clip_count_names_and_checks(arr):
+    config = minivit.ViTConfig(img_size=8, patch_size=4, num_classes=5, embed_dim=12, depth=1, num_heads=3,
+                               pre_norm=True, patch_bias=False, norm_eps=1e-5, head_bias=False, gelu="quick")
+    model = minivit.ViT(config, dtype="float64")
+    assert model.num_params() == config.num_params()
+    assert "norm_pre.weight" in model.params and "patch_embed.proj.bias" not in model.params
+    assert "head.bias" not in model.params and model.blocks[0].mlp.act.approximate == "quick"
+    assert [n for n, _ in model.stages()][:3] == ["patch_embed", "pos_embed", "norm_pre"]
+    check(model, arr(2, 8, 8, 3), max_checks=30)
+    plain = minivit.ViTConfig(img_size=8, patch_size=4, num_classes=5, embed_dim=12, depth=1, num_heads=3)
+    assert config.num_params() == plain.num_params() + 2 * 12 - 12 - 5     # + norm_pre, - the two biases
+    for bad, match in ((dict(pre_norm=1), "pre_norm must be True or False"), (dict(norm_eps=0.0), "norm_eps"),
+                       (dict(stem="conv", patch_bias=False), "patch stem")):
+        with pytest.raises(ValueError, match=match):
+            minivit.ViTConfig(img_size=8, patch_size=4, embed_dim=12, num_heads=3, **bad)

@@ -181,8 +181,8 @@ def test_fused_attention_keeps_no_n_by_n_array(rng):
     B, N, D, nh = 4, 50, 24, 3
     qkv = rng.standard_normal((B, N, 3 * D)).astype(np.float32)
     _, cache = kernels.attention_forward(qkv, nh)
-    kept, lse, heads = cache
-    assert kept is qkv and heads == nh and lse.shape == (B, nh, N)
+    kept, lse, heads, mask = cache
+    assert kept is qkv and heads == nh and lse.shape == (B, nh, N) and mask is None
 
 
 @needs_numba
@@ -477,8 +477,8 @@ def test_gpu_fused_attention_keeps_no_n_by_n_array(rng):
     before = pool.used_bytes()
     out, cache = kernels.attention_forward(qkv, nh)
     kept_fused = pool.used_bytes() - before
-    kept, lse, heads = cache
-    assert kept is qkv and heads == nh and lse.shape == (B, nh, N) and isinstance(lse, cp.ndarray)
+    kept, lse, heads, mask = cache
+    assert kept is qkv and heads == nh and lse.shape == (B, nh, N) and mask is None and isinstance(lse, cp.ndarray)
     assert kept_fused < out.nbytes + lse.nbytes + (1 << 20) < n_by_n
     del out, cache, kept, lse
     before = pool.used_bytes()
