@@ -162,7 +162,7 @@ def main(argv=None):
     path = out_dir / f"clip-cpu-{stamp}.json"
     path.write_text(json.dumps(dict(machine=info, args=vars(args), result=result, created=stamp), indent=1,
                                default=str))
-    print(f"\n| model | batch | params | minivit step | open_clip step | ratio (wall) | ratio (CPU time) | AdamW ratio |")
+    print("\n| model | batch | params | minivit step | open_clip step | ratio (wall) | ratio (CPU time) | AdamW ratio |")
     print("|---|---|---|---|---|---|---|---|")
     print(f"| {args.config} | {batch} | {pair.model.num_params():,} | {1e3 * med['minivit_step']:.0f} ms | "
           f"{1e3 * med['torch_step']:.0f} ms | {ratio_step:.2f} | {ratio_cpu:.2f} | {ratio_opt:.2f} |")

@@ -3,7 +3,6 @@ tower's causal mask, the loss and its temperature, the tokenizer, the captioned 
 round trip, zero-shot and retrieval, and a tiny CLIP that learns to match its pairs."""
 
 import math
-import warnings
 
 import numpy as np
 import pytest
