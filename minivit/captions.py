@@ -261,6 +261,13 @@ def load_captioned(name, data_dir=None, seed=0):
     return make_captioned_fashion(data_dir, seed=seed)
 
 
+def tokenizer_for(data, context_length=16):
+    """The Tokenizer of a CaptionedDataset: every word of its training captions and of its zero-shot
+    prompts (each template filled with each class name)."""
+    prompts = [t.format(name) for name in data.classnames for t in data.templates]
+    return Tokenizer.from_captions(list(data.text_train) + prompts, context_length)
+
+
 # ---------------------------------------------------------------------------------------------------
 # Batches without two identical captions
 # ---------------------------------------------------------------------------------------------------

@@ -3,6 +3,7 @@ tower's causal mask, the loss and its temperature, the tokenizer, the captioned 
 round trip, zero-shot and retrieval, and a tiny CLIP that learns to match its pairs."""
 
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -375,6 +376,10 @@ def test_captioned_shapes_hold_out_combinations_from_training():
         colour, shape = data.classnames[y].split(" ", 1)
         assert colour in text and shape in text
     assert len(set(data.text_train)) > 150                                      # several phrasings
+    tok = C.tokenizer_for(data)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                                          # every prompt's word is known
+        tok([t.format(c) for c in data.classnames for t in data.templates] + data.text_test)
     # the drawn colour is the caption's: red shapes are red where they are brightest
     red = data.x_train[[data.classnames[y].startswith("red ") for y in data.y_train]].astype(float)
     top = red.reshape(len(red), -1, 3)
