@@ -225,6 +225,9 @@ def diagnose(got, expected, axes=None, refs=None, factors=None):
         for j in range(i + 1, a.ndim):
             if a.shape[i] == a.shape[j] > 1 and _rel(a, np.swapaxes(n, i, j)) <= FIT:
                 return f"{axes[i]} and {axes[j]} transposed"
+    if _rel(np.sort(a, axis=None), np.sort(n, axis=None)) <= FIT:  # a layout bug: the values moved around
+        return ("the right values in the wrong places: a reshape, transpose or index puts them out of order "
+                "(is the backward's reshape the forward's, undone in reverse order?)")
     for ax, name in enumerate(axes):                           # an error that does not change along an axis
         if a.shape[ax] > 1 and _rel(r, np.broadcast_to(r.mean(ax, keepdims=True), r.shape)) <= FIT:
             return (f"the error is the same all along {name}: a term that does not change along {name}, "
