@@ -33,8 +33,12 @@ import numpy as np
 from . import functional as F
 from . import kernels
 from . import layers as L
+from .augment import normalize
 from .backend import asarray, backend_of, get_array_module, host_rng, to_numpy
+from .data import make_shapes
 from .gradcheck import PairLayer, gradcheck
+from .model import ViT, ViTConfig
+from .optim import SGD, AdamW
 
 TOL_SAME = 1e-10    # two float64 computations of the same math (they differ by rounding, ~1e-16)
 TOL_KERNEL = 1e-4   # a float32 kernel against the float64 pair: ~1e-7 when right, 1e-2 and up when not
@@ -130,6 +134,23 @@ class Report:
             lines.append(f"all {len(self.rows)} checks in {n_ops} ops ok ({self.seconds:.1f} s)")
         return "\n".join(lines)
 
+    def verdict(self, hint=""):
+        """For an exercise: RIGHT with the worst error, or WRONG with each wrong row, its diagnosis and the hint."""
+        if self.ok:
+            worst = max((r for r in self.rows if not r.skipped), key=lambda r: r.error)
+            return (f"RIGHT: all {len(self.rows)} checks agree (worst relative error {worst.error:.1e}: "
+                    f"{worst.op} {worst.what})")
+        wrong = self.wrong()
+        lines = [f"WRONG: {len(wrong)} of {len(self.rows)} checks disagree"]
+        for r in wrong[:6]:
+            lines.append(f"  {r.op} {r.what}: relative error {r.error:.1e}" + (f"; {r.note}" if r.note else ""))
+        if len(wrong) > 6:
+            lines.append(f"  ... and {len(wrong) - 6} more (print the report for the table)")
+        lines += [f"  {hint}" for hint in self.hints.values()]
+        if hint:
+            lines.append(f"Hint: {hint}")
+        return "\n".join(lines)
+
     def __str__(self):
         return self.table()
 
@@ -196,7 +217,8 @@ def diagnose(got, expected, axes=None, refs=None, factors=None):
     if nn == 0 and na == 0:
         return ""
     if na <= 1e-12 * nn:
-        return "zero everywhere, where it should not be: never computed, or not added into grads"
+        return ("zero everywhere, where it should not be: never computed, not added into grads, or the "
+                "gradient handed to it is zero")
     if nn <= 1e-12 * na:
         return "should be zero everywhere (nothing depends on it here), and is not"
     c = float((a * n).sum() / (n * n).sum())
@@ -627,7 +649,6 @@ def _loss_as_vector(loss_and_cache):
 
 
 def check_model(rng, use_kernels):
-    from .model import ViT, ViTConfig                                            # model builds on layers
     config = ViTConfig(img_size=8, patch_size=2, in_chans=3, num_classes=5, embed_dim=16, depth=2, num_heads=2,
                        mlp_ratio=2.0)
     model = _randomise(ViT(config, seed=0, dtype="float64"), rng, 0.1)
@@ -701,6 +722,28 @@ def run(names=None, use_kernels=True, seed=0):
             if hint:
                 hints[op] = hint
     return Report(rows, hints, time.perf_counter() - start)
+
+
+def overfit(steps=40, lr=1e-2, optimizer="adamw", seed=0):
+    """Train a tiny float64 ViT on one batch of 20 `shapes` images; return the loss before each step.
+    With every backward right the loss falls from about log(10) = 2.3 towards 0; a bug shows as a loss that
+    stalls, creeps or blows up. float64 runs functional.py as it stands, so an edited function is what trains.
+    optimizer: "adamw" (no weight decay) or "sgd" (momentum 0.9)."""
+    if optimizer not in ("adamw", "sgd"):
+        raise ValueError(f"optimizer must be 'adamw' or 'sgd', got {optimizer!r}")
+    (images, labels), _ = make_shapes(num_train=20, num_test=0, seed=seed, img_size=16)
+    x, y = asarray(normalize(images, 0.5, 0.25, dtype="float64")), asarray(labels)          # (20, 16, 16, 3)
+    model = ViT(ViTConfig(img_size=16, patch_size=4, num_classes=10, embed_dim=32, depth=1, num_heads=2,
+                          mlp_ratio=2.0), seed=seed, dtype="float64")
+    opt = AdamW(model, lr=lr, weight_decay=0.0) if optimizer == "adamw" else SGD(model, lr=lr, momentum=0.9)
+    losses = []
+    for _ in range(steps):
+        loss, dlogits = F.cross_entropy(model.forward(x), y)
+        model.zero_grad()
+        model.backward(dlogits)
+        opt.step()
+        losses.append(loss)
+    return losses
 
 
 def main(argv=None):
