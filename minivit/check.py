@@ -15,10 +15,11 @@ Everything is looked up when the check runs: the functions on their modules (an 
 functional.layernorm_backward is what is checked) and the layers built from their classes as they stand
 (an edited layers.Block.backward too). From Python or a notebook:
 
-    report = minivit.check.run(["layernorm", "attention"])
-    print(report); report.ok; report.wrong()          # rows: .op, .what, .error, .note
-    with minivit.check.replaced(F, "gelu_backward", my_gelu_backward):
-        print(minivit.check.run(["gelu"]))
+    from minivit import check
+    report = check.run(["layernorm", "attention"])
+    print(report); report.ok; report.wrong()          # rows: .op, .what, .error, .note, .got, .expected
+    with check.replaced(F, "gelu_backward", my_gelu_backward):   # yours in place of minivit's, then restored
+        print(check.run(["gelu"]).verdict())
 """
 
 import argparse
@@ -136,17 +137,20 @@ class Report:
 
     def verdict(self, hint=""):
         """For an exercise: RIGHT with the worst error, or WRONG with each wrong row, its diagnosis and the hint."""
-        if self.ok:
-            worst = max((r for r in self.rows if not r.skipped), key=lambda r: r.error)
-            return (f"RIGHT: all {len(self.rows)} checks agree (worst relative error {worst.error:.1e}: "
+        checked = [r for r in self.rows if not r.skipped]
+        if self.ok and checked:
+            worst = max(checked, key=lambda r: r.error)
+            return (f"RIGHT: all {len(checked)} checks agree (worst relative error {worst.error:.1e}: "
                     f"{worst.op} {worst.what})")
+        if self.ok:
+            return "nothing was checked: every row was skipped"
         wrong = self.wrong()
         lines = [f"WRONG: {len(wrong)} of {len(self.rows)} checks disagree"]
         for r in wrong[:6]:
             lines.append(f"  {r.op} {r.what}: relative error {r.error:.1e}" + (f"; {r.note}" if r.note else ""))
         if len(wrong) > 6:
             lines.append(f"  ... and {len(wrong) - 6} more (print the report for the table)")
-        lines += [f"  {hint}" for hint in self.hints.values()]
+        lines += [f"  {op_hint}" for op_hint in self.hints.values()]
         if hint:
             lines.append(f"Hint: {hint}")
         return "\n".join(lines)
@@ -395,6 +399,8 @@ def _first_wrong_in_backward(rows):
     layer = first.rsplit(".", 1)[0] if "." in first else "the position embedding"
     hint = (f"the backward, run from the output back, first goes wrong at d{first}: look in {layer}'s backward "
             f"and in what hands it its dout (the layer after it in the forward, or a residual adding into it)")
+    if first.startswith("qkv."):
+        hint += "; in layers.Attention, qkv's dout comes from functional.attention_backward (the 'attention' rows)"
     if first.startswith("attn.") or ".attn." in first:
         hint += ("; in a Block, attn's dout is dx1 = dout + norm2.backward(mlp.backward(dout)): "
                  "is the residual's `dout +` there?")
