@@ -334,3 +334,13 @@ def test_the_module_runs_as_a_command_with_help():
                          text=True, timeout=120)
     assert run.returncode == 0, run.stdout + run.stderr
     assert run.stdout.splitlines()[-1].startswith("all ") and "pool" in run.stdout
+
+
+@pytest.mark.gpu
+def test_the_check_passes_on_the_gpu_backend_with_the_cuda_kernels():
+    import minivit
+
+    minivit.set_backend("cupy")                       # the suite's backend is restored after each test
+    report = C.run(["layernorm", "attention", "cross_entropy", "model"])
+    assert report.ok, report.table(verbose=True)
+    assert any("kernels." in r.what and not r.skipped for r in report.rows)
