@@ -202,7 +202,7 @@ def _factor(c, factors):
     for symbol, value in factors.items():
         for v, name in ((value, symbol), (1 / value, f"1/{symbol}")):
             if abs(c - v) <= 1e-4 * abs(v):
-                return f"{text} (= {name}, {symbol} = {value:g} here)"
+                return f"{text} (= {name}, {symbol} = {value:g} here)" if symbol.isidentifier() else f"{text} (= {name})"
     return text
 
 
@@ -221,8 +221,8 @@ def diagnose(got, expected, axes=None, refs=None, factors=None):
     if nn == 0 and na == 0:
         return ""
     if na <= 1e-12 * nn:
-        return ("zero everywhere, where it should not be: never computed, not added into grads, or the "
-                "gradient handed to it is zero")
+        return ("zero everywhere, where it should not be: never computed or never written (for a gradient: not "
+                "added into grads, or handed a zero gradient)")
     if nn <= 1e-12 * na:
         return "should be zero everywhere (nothing depends on it here), and is not"
     c = float((a * n).sum() / (n * n).sum())
@@ -299,24 +299,25 @@ def _randomise(layer, rng, scale=0.5):
     return layer
 
 
-def _forward_row(op, what, got, expected, axes=None, factors=None):
+def _forward_row(op, what, got, expected, axes=None, factors=None, tol=TOL_SAME, why="differs"):
     got, expected = to_numpy(got), to_numpy(expected)
     if got.shape != expected.shape:
-        return Row(op, what, math.inf, TOL_SAME, f"shape {got.shape}, expected {expected.shape}")
-    row = Row(op, what, _rel(got, expected), TOL_SAME, got=got, expected=expected)
+        return Row(op, what, math.inf, tol, f"shape {got.shape}, expected {expected.shape}")
+    row = Row(op, what, _rel(got, expected), tol, got=got, expected=expected)
     if not row.ok:
-        row.note = diagnose(got, expected, axes, factors=factors) or "differs"
+        row.note = diagnose(got, expected, axes, factors=factors) or why
     return row
 
 
-def _have_kernels(x):
-    return backend_of(x) == "cupy" or kernels.HAVE_NUMBA
+def _have_kernels(x, numba=True):
+    return backend_of(x) == "cupy" or kernels.HAVE_NUMBA or not numba
 
 
-def _kernel_rows(op, pair, inputs, forward, backward, axes=None, factors=None, seed=1):
+def _kernel_rows(op, pair, inputs, forward, backward, axes=None, factors=None, seed=1, numba=True):
     """functional.<pair> (float64) against kernels.<pair> (float32 copies of the inputs), forward and backward.
-    forward(module, *inputs) -> (out, cache); backward(module, dout, cache) -> {gradient name: array}."""
-    if not _have_kernels(inputs[0]):
+    forward(module, *inputs) -> (out, cache); backward(module, dout, cache) -> {gradient name: array}.
+    numba=False: the kernel is plain NumPy (linear's), there even without Numba."""
+    if not _have_kernels(inputs[0], numba):
         return [Row(op, f"kernels.{pair}_*", math.nan, TOL_KERNEL, "Numba is not installed here", skipped=True)]
     out64, cache64 = forward(F, *inputs)
     dout = _random(host_rng(seed), out64.shape)
@@ -492,6 +493,12 @@ def check_linear(rng, use_kernels):
     layer = _randomise(L.Linear(6, 6, dtype="float64"), rng)                   # square: a transposed dW shows
     x = _random(rng, (B, N, 6))
     rows = [_forward_row("linear", "forward: layers.Linear vs functional", layer.forward(x), _linear(layer.params, x))]
+    if use_kernels:
+        w, b = layer.params["weight"], layer.params["bias"]
+        rows += _kernel_rows("linear", "linear", [x, w, b], lambda m, x, w, b: m.linear_forward(x, w, b),
+                             lambda m, d, c: dict(zip(("dx", "dweight", "dbias"), m.linear_backward(d, c))),
+                             axes={"forward": ("B", "N", "out"), "dx": ("B", "N", "in"), "dweight": ("in", "out")},
+                             numba=False)
     return rows + _gradient_rows("linear", layer, x, factors={"B": B, "B*N": B * N},
                                  axes={"dx": ("B", "N", "in"), "dweight": ("in", "out"), "dbias": ("out",)})
 
@@ -664,6 +671,92 @@ def check_model(rng, use_kernels):
                                  factors={"B": B})
 
 
+def check_adamw(rng, use_kernels):
+    """functional.adamw_update against what its formula implies, against kernels.adamw_update, and inside
+    optim.AdamW.step. m and v are zero before the first step."""
+    lr, b1, b2, eps, wd = 0.1, 0.9, 0.999, 1e-8, 0.05
+    factors = {"1 - b1": 1 - b1, "1/sqrt(1 - b2)": 1 / math.sqrt(1 - b2),
+               "(1 - b1) / sqrt(1 - b2)": (1 - b1) / math.sqrt(1 - b2), "lr": lr}
+    shape = (4, 6)
+    p0, grads = _random(rng, shape), [_random(rng, shape) for _ in range(3)]
+    xp = get_array_module(p0)
+    p, m, v = p0.copy(), xp.zeros(shape), xp.zeros(shape)         # step 1 with eps = wd = 0: m_hat = g and
+    F.adamw_update(p, grads[0], m, v, lr, b1, b2, 0.0, 0.0, 1)    # sqrt(v_hat) = |g|, so p moves by lr
+    rows = [_forward_row("adamw", "step 1: m = (1 - b1) g", m, (1 - b1) * grads[0], factors=factors),
+            _forward_row("adamw", "step 1: v = (1 - b2) g^2", v, (1 - b2) * grads[0] ** 2, factors=factors),
+            _forward_row("adamw", "step 1 (eps = wd = 0): p moves by -lr sign(g)", p - p0, -lr * xp.sign(grads[0]),
+                         factors=factors)]
+    p = p0.copy()                                                 # g = 0: only the decoupled decay moves p
+    F.adamw_update(p, xp.zeros(shape), xp.zeros(shape), xp.zeros(shape), lr, b1, b2, eps, wd, 1)
+    rows.append(_forward_row("adamw", "g = 0: p <- p (1 - lr wd)", p, p0 * (1 - lr * wd),
+                             why="with a zero gradient only the decay moves p: is it decoupled, p *= 1 - lr wd "
+                                 "before the Adam step, and not added to the gradient (that is Adam with L2)?"))
+    if use_kernels and not (kernels.HAVE_NUMBA and backend_of(p0) == "numpy"):
+        rows.append(Row("adamw", "kernels.adamw_update", math.nan, TOL_KERNEL,
+                        "the CPU kernel needs Numba and NumPy arrays", skipped=True))
+    elif use_kernels:
+        p64, m64, v64 = p0.copy(), xp.zeros(shape), xp.zeros(shape)
+        p32, m32, v32 = p64.astype("float32"), m64.astype("float32"), v64.astype("float32")
+        for t, g in enumerate(grads, start=1):
+            F.adamw_update(p64, g, m64, v64, lr, b1, b2, eps, wd, t)
+            kernels.adamw_update(p32, g.astype("float32"), m32, v32, lr, b1, b2, eps, wd, t)
+        for name, a64, a32 in (("p", p64, p32), ("m", m64, m32), ("v", v64, v32)):
+            rows.append(_forward_row("adamw", f"3 steps: {name} vs kernels.adamw_update, float32", a64,
+                                     a32.astype("float64"), factors=factors, tol=TOL_KERNEL,
+                                     why="differs after 3 steps (the step count t in the bias corrections?)"))
+
+    def by_hand(p, g, state, t, decay):                           # state: (m, v), updated in place
+        F.adamw_update(p, g, *state, lr, b1, b2, eps, decay, t)
+        return state
+
+    make = lambda layer: AdamW(layer, lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd, no_decay=("bias",))
+    return rows + _optimizer_rows("adamw", make, by_hand, lambda p: (p * 0, p * 0), wd, rng)
+
+
+def check_sgd(rng, use_kernels):
+    """functional.sgd_update against torch.optim.SGD's rule written out, and inside optim.SGD.step."""
+    lr, mu, wd = 0.1, 0.9, 0.05
+    p0, grads = _random(rng, (4, 6)), [_random(rng, (4, 6)) for _ in range(3)]
+    rows = []
+    for nesterov in (False, True):
+        p, buf, expected, b = p0.copy(), None, p0.copy(), None
+        for g in grads:
+            buf = F.sgd_update(p, g, buf, lr, mu, nesterov, wd)
+            g_t = g + wd * expected                               # the rule, as torch.optim.SGD documents it
+            b = g_t if b is None else mu * b + g_t
+            expected = expected - lr * (g_t + mu * b if nesterov else b)
+        kind = "nesterov" if nesterov else "momentum"
+        rows += [_forward_row("sgd", f"{kind}, 3 steps: p vs the rule written out", p, expected, factors={"lr": lr}),
+                 _forward_row("sgd", f"{kind}, 3 steps: the momentum buffer", buf, b, factors={"mu": mu})]
+    p = p0.copy()
+    F.sgd_update(p, grads[0], None, lr, 0.0, False, 0.0)
+    rows.append(_forward_row("sgd", "no momentum: p <- p - lr g", p, p0 - lr * grads[0], factors={"lr": lr}))
+
+    def by_hand(p, g, buf, t, decay):                             # the momentum buffer: None before step 1
+        return F.sgd_update(p, g, buf, lr, mu, False, decay)
+
+    make = lambda layer: SGD(layer, lr=lr, momentum=mu, weight_decay=wd, no_decay=("bias",))
+    return rows + _optimizer_rows("sgd", make, by_hand, lambda p: None, wd, rng)
+
+
+def _optimizer_rows(op, make, by_hand, new_state, wd, rng):
+    """optim's class (as it stands) for 3 steps on a Linear layer, against the update rule called by hand,
+    bias exempt from weight decay: do the class's step count, buffers and no_decay fit the rule?
+    by_hand(p, g, state, t, weight_decay) -> state."""
+    layer = L.Linear(4, 6, dtype="float64")
+    layer.params["bias"][...] = _random(rng, 6)
+    opt = make(layer)
+    hand = {name: [p.copy(), new_state(p)] for name, p in layer.params.items()}
+    for t in range(1, 4):
+        for name, g in layer.grads.items():
+            g[...] = _random(rng, g.shape)
+            p, state = hand[name]
+            hand[name][1] = by_hand(p, g, state, t, 0.0 if name == "bias" else wd)
+        opt.step()
+    return [_forward_row(op, f"optim.{type(opt).__name__}.step, 3 steps: {name} vs functional.{op}_update by hand",
+                         layer.params[name], hand[name][0]) for name in layer.params]
+
+
 # name -> (check, what it covers); `python -m minivit.check --help` prints this table
 OPS = {
     "patch_embed": (check_patch_embed, "layers.PatchEmbed: functional.im2patch / patch2im, the linear projection E"),
@@ -682,6 +775,8 @@ OPS = {
     "head": (check_head, "the last stages: norm, pool, pre_logits (functional.tanh_*), head"),
     "cross_entropy": (check_cross_entropy, "functional.cross_entropy_*, with label smoothing 0.1"),
     "model": (check_model, "the whole ViT (2 blocks), every parameter"),
+    "adamw": (check_adamw, "functional.adamw_update (and kernels.adamw_update), optim.AdamW"),
+    "sgd": (check_sgd, "functional.sgd_update, optim.SGD"),
 }
 COMPOSITE = ("attention_layer", "mlp", "block", "head", "model")
 

@@ -13,6 +13,7 @@ from minivit import check as C
 from minivit import functional as F
 from minivit import kernels
 from minivit import layers as L
+from minivit import optim
 from minivit.backend import get_array_module
 from minivit.gradcheck import PairLayer, gradcheck
 
@@ -43,7 +44,7 @@ def test_the_fast_kernels_are_compared_where_numba_is_there(clean_report):
         assert all(r.skipped for r in kernel_rows)
         return
     ops = {r.op for r in kernel_rows}
-    assert ops == {"layernorm", "gelu_erf", "gelu_tanh", "softmax", "attention"}
+    assert ops == {"linear", "layernorm", "gelu_erf", "gelu_tanh", "softmax", "attention", "adamw"}
     assert all(r.tol == C.TOL_KERNEL and 0 < r.error < 1e-5 for r in kernel_rows)  # float32 rounding, no more
 
 
@@ -98,6 +99,23 @@ def patch2im_wrong_transpose(patches, patch_size, img_size):
     return x.reshape(B, H, W, C)
 
 
+def adamw_without_bias_corrections(p, g, m, v, lr, beta1, beta2, eps, weight_decay, step):
+    p *= 1 - lr * weight_decay
+    m *= beta1
+    m += (1 - beta1) * g
+    v *= beta2
+    v += (1 - beta2) * g * g
+    p -= lr * m / (v ** 0.5 + eps)                                                  # m_hat, v_hat forgotten
+
+
+def adamw_with_l2(f):
+    return lambda p, g, m, v, lr, b1, b2, eps, wd, step: f(p, g + wd * p, m, v, lr, b1, b2, eps, 0.0, step)
+
+
+def sgd_ignoring_nesterov(f):
+    return lambda p, g, buf, lr, mu, nesterov, wd: f(p, g, buf, lr, mu, False, wd)
+
+
 PLANTED = {
     # id: (owner, attribute, replacement (given the original), op, row, words the diagnosis must contain)
     "layernorm mean term": (F, "layernorm_backward", lambda f: layernorm_without_mean_term, "layernorm", "dx",
@@ -124,6 +142,15 @@ PLANTED = {
                                               "pos_embed", "dcls_token", "sum over the batch"),
     "pool cls forgets the class token": (L.Pool, "backward", lambda f: pool_backward_forgetting_the_class_token,
                                          "pool", "cls: dx", "zero everywhere"),
+    "AdamW without bias corrections": (F, "adamw_update", lambda f: adamw_without_bias_corrections, "adamw",
+                                       "step 1 (eps = wd = 0): p moves by -lr sign(g)", "x3.162 (= (1 - b1) / sqrt(1 - b2))"),
+    "AdamW with L2 decay": (F, "adamw_update", adamw_with_l2, "adamw", "g = 0: p <- p (1 - lr wd)", "decoupled"),
+    "AdamW ignoring the step count": (F, "adamw_update", lambda f: lambda *a: f(*a[:-1], 1), "adamw",
+                                      "3 steps: p vs kernels.adamw_update, float32", "step count"),
+    "SGD ignoring nesterov": (F, "sgd_update", sgd_ignoring_nesterov, "sgd", "nesterov, 3 steps: p vs the rule written out",
+                              "differs"),
+    "AdamW.step forgetting no_decay": (optim.AdamW, "_decay", lambda f: lambda self, name: self.weight_decay, "adamw",
+                                       "optim.AdamW.step, 3 steps: bias vs functional.adamw_update by hand", "differs"),
     "patch2im undoes the wrong transpose": (F, "patch2im", lambda f: patch2im_wrong_transpose, "patch_embed", "dx",
                                             "the right values in the wrong places"),
 }
