@@ -255,7 +255,7 @@ def diagnose(got, expected, axes=None, refs=None, factors=None):
         return ("the right values in the wrong places: a reshape, transpose or index puts them out of order "
                 "(is the backward's reshape the forward's, undone in reverse order?)")
     for ax, name in enumerate(axes):                           # an error that does not change along an axis
-        if a.shape[ax] > 1 and _rel(r, np.broadcast_to(r.mean(ax, keepdims=True), r.shape)) <= FIT:
+        if a.ndim > 1 and a.shape[ax] > 1 and _rel(r, np.broadcast_to(r.mean(ax, keepdims=True), r.shape)) <= FIT:
             return (f"the error is the same all along {name}: a term that does not change along {name}, "
                     f"like one through a mean over {name}, is missing or wrong")
     for label, z in refs.items():                              # an error proportional to a known array
@@ -403,8 +403,8 @@ def _first_wrong_in_backward(rows):
     if first.startswith("qkv."):
         hint += "; in layers.Attention, qkv's dout comes from functional.attention_backward (the 'attention' rows)"
     if first.startswith("attn.") or ".attn." in first:
-        hint += ("; in a Block, attn's dout is dx1 = dout + norm2.backward(mlp.backward(dout)): "
-                 "is the residual's `dout +` there?")
+        hint += ("; in a Block, attn's dout is dx1 = dout + norm2.backward(mlp.backward(dout)): is the residual's "
+                 "`dout +` there, and is norm2's dx right (the 'layernorm' rows)?")
     return hint
 
 

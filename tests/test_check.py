@@ -40,8 +40,8 @@ def test_the_default_set_passes_on_the_code_as_it_is_in_under_a_minute(clean_rep
 
 def test_the_fast_kernels_are_compared_where_numba_is_there(clean_report):
     kernel_rows = [r for r in clean_report.rows if "kernels." in r.what]
-    if not kernels.HAVE_NUMBA:
-        assert all(r.skipped for r in kernel_rows)
+    if not kernels.HAVE_NUMBA:                                                       # linear's twin is plain NumPy
+        assert all(r.skipped == (r.op != "linear") for r in kernel_rows)
         return
     ops = {r.op for r in kernel_rows}
     assert ops == {"linear", "layernorm", "gelu_erf", "gelu_tanh", "softmax", "attention", "adamw"}
@@ -159,6 +159,8 @@ PLANTED = {
 @pytest.mark.parametrize("bug", list(PLANTED))
 def test_a_planted_bug_is_caught_naming_the_tensor_and_the_cause(bug):
     owner, name, make, op, what, words = PLANTED[bug]
+    if "kernels." in what and not kernels.HAVE_NUMBA:
+        pytest.skip("the row compares with a Numba kernel, and Numba is not installed")
     original = getattr(owner, name)
     with C.replaced(owner, name, make(original)):
         report = C.run([op])
