@@ -366,6 +366,7 @@ def translate(body):
     (``T t = ...;``), assignments (``=``, ``+=``, ``-=``, ``*=``), casts ``(T)x``, ``(unsigned long long)x``,
     the math functions, ``<<``, ``>>``, ``^``, ``&``; no branches, no loops (minivit's bodies have none)."""
     lines = []
+    body = re.sub(r"//[^\n]*", "", body)                                         # comments
     for statement in body.split(";"):
         s = " ".join(statement.split())
         if not s or s.startswith("//"):
@@ -375,6 +376,9 @@ def translate(body):
                    r"(\w+(?:\.\w+)?(?:[eE][-+]?\d+)?|\([^()]*\))",
                    lambda m: f"_cast_{m.group(1).replace(' ', '_')}({m.group(2)})", s)  # (T)x -> _cast_T(x)
         s = re.sub(r"(\d+)ULL\b", r"_u64(\1)", s)
+        ternary = re.match(r"^(\w+ =) ([^?]+)\?([^:]+):(.+)$", s)       # x = c ? a : b  (one, not nested)
+        if ternary:
+            s = f"{ternary.group(1)} _where({ternary.group(2)}, {ternary.group(3)}, {ternary.group(4)})"
         if "?" in s or re.match(r"^(if|for|while)\b", s):
             raise ValueError(f"fake CuPy cannot translate {statement!r}")
         lines.append(s)
@@ -393,7 +397,7 @@ def _namespace(T):
           "_cast_unsigned_long_long": lambda v: numpy.asarray(v).astype(u64),
           "_cast_long_long": lambda v: numpy.asarray(v).astype(numpy.int64),
           "_cast_unsigned_int": lambda v: numpy.asarray(v).astype(numpy.uint32),
-          "_u64": u64}
+          "_u64": u64, "_where": numpy.where}
     return ns
 
 
