@@ -30,7 +30,9 @@ does instead is one pass per forward or backward ("fusion"):
   the backward recomputes them (see its section, after the CuPy one).
 
 Only this module and backend.py touch CuPy, and this one only ever sees CuPy arrays that exist already
-(it never imports CuPy for a NumPy array).
+(it never imports CuPy for a NumPy array). Besides the twins it holds the optimizers' GPU updates (which
+ops.py also checks against functional.py) and dropout's device mask (dropout_keep_mask, a random number
+generator that layers.Dropout calls on the GPU: there is nothing to check it against).
 """
 
 import math
@@ -570,6 +572,16 @@ _SGD_MOMENTUM_BODY = """
     T d = nesterov ? gt + mu * b : b;                             // d_t
     p = p - lr * d;"""
 
+# Dropout's keep mask, drawn on the GPU: element i gets the splitmix64 hash of (seed, i), a counter-based
+# generator (no state but the seed, so nothing lives on the device between calls), and is kept when the
+# top 24 bits, uniform in [0, 2^24), are >= threshold = round(p 2^24): with probability 1 - p (to 2^-24).
+_KEEP_MASK_BODY = """
+    unsigned long long z = seed + (unsigned long long)i * 0x9E3779B97F4A7C15ULL;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+    z = z ^ (z >> 31);
+    keep = (z >> 40) >= threshold;"""
+
 # Row-wise kernels: one thread block per row, a tree reduction in shared memory.
 _ROW_SOURCE = r"""
 typedef %(T)s T;
@@ -1041,6 +1053,17 @@ def gelu_backward(dout, cache):
         body = _GELU_ERF_BWD if approximate == "erf" else _GELU_TANH_BWD
         return _elementwise(f"minivit_gelu_{approximate}_bwd", "T dout, T x", "T dx", body)(dout, x)
     return _gelu_cpu(x, dout, approximate)
+
+
+def dropout_keep_mask(shape, p, seed):
+    """A boolean CuPy array of the given shape, each value True with probability 1 - p, drawn on the GPU
+    in one launch from seed (an integer in [0, 2^63)): the same seed gives the same mask. Not a twin of a
+    pair: layers.Dropout calls it on the GPU (on the CPU it draws its mask on the host, value by value)."""
+    keep = _cupy().empty(shape, dtype=numpy.bool_)
+    threshold = numpy.uint64(round(p * (1 << 24)))
+    _elementwise("minivit_keep_mask", "uint64 seed, uint64 threshold", "bool keep", _KEEP_MASK_BODY)(
+        numpy.uint64(seed), threshold, keep)
+    return keep
 
 
 def layernorm_forward(x, weight, bias, eps=1e-6):

@@ -19,7 +19,7 @@ layer's forward or backward here, or in a layer class of your own, is what runs.
 import warnings
 
 from . import functional as F
-from . import ops
+from . import kernels, ops
 from .backend import asarray, backend_module, backend_of, get_array_module, host_rng
 
 
@@ -262,21 +262,30 @@ class GELU(Layer):
 class Dropout(Layer):
     """Zero each value with probability p in training (scaling the rest by 1/(1-p)); identity in eval.
     ``per_sample=True`` drops whole samples instead: that is drop-path (stochastic depth), applied to a
-    residual branch so the block is skipped for that sample."""
+    residual branch so the block is skipped for that sample.
+
+    The masks come from ``self.rng``, a host generator whose state checkpoints save, so a resumed run draws
+    the same masks as an uninterrupted one. On the CPU it draws every value of the mask. On the GPU it
+    draws one seed per call and the GPU expands the seed into the mask (kernels.dropout_keep_mask: one
+    launch, no copy from the host). So a GPU run is reproducible on the GPU (same seed, same masks, resumed
+    or not), but its masks are not the CPU run's: the two draw different random numbers."""
 
     def __init__(self, p=0.0, per_sample=False, seed=0):
         super().__init__()
         if not 0.0 <= p < 1.0:
             raise ValueError(f"dropout probability must be in [0, 1), got {p!r}")
         self.p, self.per_sample = p, per_sample
-        self.rng = host_rng(seed)  # host generator: same masks on NumPy and CuPy, state saved in checkpoints
+        self.rng = host_rng(seed)  # a host generator: its state is saved in checkpoints
 
     def forward(self, x):
         if not self.training or self.p == 0.0:
             self.cache = None
             return x
         shape = (x.shape[0],) + (1,) * (x.ndim - 1) if self.per_sample else x.shape
-        keep = asarray(self.rng.random(shape) >= self.p, backend=backend_of(x))  # (B, 1, 1) or x's shape
+        if backend_of(x) == "numpy":
+            keep = self.rng.random(shape) >= self.p                              # (B, 1, 1) or x's shape
+        else:
+            keep = kernels.dropout_keep_mask(shape, self.p, int(self.rng.integers(2 ** 63)))  # on the GPU
         out, self.cache = F.dropout_forward(x, keep, self.p)
         return out
 

@@ -375,7 +375,7 @@ def translate(body):
         s = re.sub(r"\((unsigned long long|long long|unsigned int|float|double|T|int)\)\s*"
                    r"(\w+(?:\.\w+)?(?:[eE][-+]?\d+)?|\([^()]*\))",
                    lambda m: f"_cast_{m.group(1).replace(' ', '_')}({m.group(2)})", s)  # (T)x -> _cast_T(x)
-        s = re.sub(r"(\d+)ULL\b", r"_u64(\1)", s)
+        s = re.sub(r"\b(0x[0-9A-Fa-f]+|\d+)ULL\b", r"_u64(\1)", s)
         ternary = re.match(r"^(\w+ =) ([^?]+)\?([^:]+):(.+)$", s)       # x = c ? a : b  (one, not nested)
         if ternary:
             s = f"{ternary.group(1)} _where({ternary.group(2)}, {ternary.group(3)}, {ternary.group(4)})"
