@@ -597,6 +597,22 @@ def memory_table(results):
     return "\n".join(lines)
 
 
+def used_precision(torch, devices, precision):
+    """One line per device saying which arithmetic each side's matrix products use in this run."""
+    lines = []
+    if "cpu" in devices:
+        lines.append("precision [cpu]: minivit float32 (NumPy/BLAS), PyTorch float32")
+    if "gpu" in devices:
+        tf32 = kernels.tf32_enabled()
+        fp32 = "TF32 (CUPY_TF32=1)" if tf32 else "FP32"
+        linear = "float16 (float32 sums) with loss scaling" if precision == "float16" else fp32
+        torch_mm = ("float16 under autocast, GradScaler" if precision == "float16" else
+                    "TF32" if torch.backends.cuda.matmul.allow_tf32 else "FP32")
+        lines.append(f"precision [gpu]: minivit Linear products {linear}, attention products {fp32} "
+                     f"(cuBLAS, kernels._gpu_matmul); PyTorch matmuls {torch_mm}")
+    return lines
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description="minivit vs PyTorch eager: speed, memory, MFU, per-layer profile")
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "gpu", "both"],
@@ -641,6 +657,10 @@ def main(argv=None):
         torch.backends.cuda.matmul.allow_tf32 = tf32
         torch.backends.cudnn.allow_tf32 = tf32                     # the patch embedding is a convolution
 
+    precision_used = used_precision(torch, devices, args.precision)
+    for line in precision_used:
+        print(line)
+
     info = machine_info(torch)
     blas = ", ".join(f"{d.get('api')} {d.get('version') or ''} ({d.get('corename')}, {d.get('num_threads')} threads)"
                      for d in info["blas"]) or "unknown"
@@ -681,7 +701,7 @@ def main(argv=None):
     out_dir.mkdir(parents=True, exist_ok=True)
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     path = out_dir / f"{'-'.join(devices)}-{stamp}.json"
-    record = dict(machine=info, matmul_gflops=rates, args=vars(args), results=results,
+    record = dict(machine=info, matmul_gflops=rates, args=vars(args), results=results, precision_used=precision_used,
                   seconds=time.time() - t_start, created=stamp)
     path.write_text(json.dumps(record, indent=1, default=str))
 
