@@ -728,7 +728,7 @@ def _launch_rows(name, n_rows, row_len, dtype, args):
     threads = 32
     while threads < min(row_len, 256):
         threads *= 2
-    if n_rows:
+    if n_rows and row_len:                      # an empty row has nothing to compute (and no s[base] to read)
         _row_kernel(name, dtype)((n_rows,), (threads,), args, shared_mem=threads * numpy.dtype(dtype).itemsize)
 
 

@@ -239,6 +239,8 @@ class ndarray:
         self._a.fill(value)
 
     def __getattr__(self, name):               # sum, mean, max, min, argmax, var, all, any, dot, clip, ...
+        if name.startswith("__"):              # never __array_interface__ & co.: NumPy would read the memory
+            raise AttributeError(name)
         fn = getattr(self._a, name)
         if not callable(fn):
             return _wrap(fn)
