@@ -40,7 +40,7 @@ from . import backend, ops
 from .amp import LossScaler
 from .checkpoint import load_checkpoint, restore_dropout_rngs, save_checkpoint
 from .data import DATASETS, load_dataset, resize_images
-from .functional import cross_entropy
+from .functional import cross_entropy, cross_entropy_backward, cross_entropy_forward
 from .model import ViTConfig, create_model, presets
 from .optim import SGD, AdamW, WarmupCosine, clip_grad_norm, default_no_decay
 
@@ -376,32 +376,56 @@ class _StopFlag:
 def train_step(model, optimizer, x, y, cfg, scaler=None):
     """One optimizer step on batch (x, y), in cfg.grad_accum micro-batches. Returns (loss, correct, grad_norm).
     scaler: an amp.LossScaler (mixed precision): the backward gets the scaled loss gradient, and a step whose
-    gradients overflowed is skipped (grad_norm is then inf)."""
+    gradients overflowed is skipped (grad_norm is then inf). y's labels were checked once, for the whole data
+    set (check_labels); the loss, the count of correct answers, the scaler's finiteness and the gradient
+    norm stay where the arrays are until the end of the step, then come to the host in ONE transfer: on the
+    GPU the only time a step waits for the device."""
     model.zero_grad()
     micro = x.shape[0] // cfg.grad_accum
-    total_loss, correct = 0.0, 0
+    xp = backend.get_array_module(x)
+    total_loss, correct = 0.0, 0                   # 0-d arrays on x's device after the first micro-batch
     # with loss scaling float16 overflows now and then, by design (that step is skipped): NumPy's
     # "overflow encountered" warnings would be noise
     with numpy.errstate(over="ignore", invalid="ignore") if scaler is not None else nullcontext():
         for j in range(cfg.grad_accum):
             xb, yb = x[j * micro:(j + 1) * micro], y[j * micro:(j + 1) * micro]
             logits = model.forward(xb)                                                  # (b, K)
-            loss, dlogits = cross_entropy(logits, yb, cfg.label_smoothing)
-            if not math.isfinite(loss):
-                return loss, 0, float("nan")
-            dlogits = dlogits / cfg.grad_accum     # the mean over all micro-batches: each weighs 1/grad_accum
+            loss, cache = cross_entropy_forward(logits, yb, cfg.label_smoothing)        # loss: 0-d, on the device
+            dlogits = cross_entropy_backward(cache) / cfg.grad_accum   # each micro-batch weighs 1/grad_accum
             model.backward(dlogits if scaler is None else scaler.scale(dlogits))
-            total_loss += loss / cfg.grad_accum
+            total_loss = total_loss + loss / cfg.grad_accum
             labels = yb if yb.ndim == 1 else yb.argmax(-1)
-            correct += int((logits.argmax(-1) == labels).sum())
+            correct = correct + (logits.argmax(-1) == labels).sum()
+    step_numbers = [total_loss, correct]
     if scaler is not None:
-        finite = scaler.unscale(model)               # gradients / S, before clipping looks at them
+        step_numbers.append(scaler.unscale(model))   # gradients / S, before clipping looks at them
+    if cfg.clip_grad:
+        step_numbers.append(clip_grad_norm(model, cfg.clip_grad))
+    read = backend.to_numpy(xp.stack([xp.asarray(v, dtype="float64") for v in step_numbers]))  # the one read
+    loss, correct = float(read[0]), int(read[1])
+    if not math.isfinite(loss):
+        return loss, 0, float("nan")
+    if scaler is not None:
+        finite = bool(read[2])
         scaler.update(finite)
         if not finite:                               # float16 overflowed: skip the update, S was halved
-            return total_loss, correct, float("inf")
-    grad_norm = clip_grad_norm(model, cfg.clip_grad) if cfg.clip_grad else None
+            return loss, correct, float("inf")
+    grad_norm = float(read[-1]) if cfg.clip_grad else None
     optimizer.step()
-    return total_loss, correct, grad_norm
+    return loss, correct, grad_norm
+
+
+def check_labels(data):
+    """The labels of both splits in [0, K), checked once on the host before they go to the device (the
+    training step then checks nothing: on the GPU each check would wait for the device)."""
+    K = data.num_classes
+    for split, y in (("y_train", data.y_train), ("y_test", data.y_test)):
+        y = numpy.asarray(y)
+        if y.ndim != 1 or y.dtype.kind not in "iu":
+            raise ValueError(f"{data.name}: {split} must be integer class indices (N,), got {y.dtype} {y.shape}")
+        if y.size and (y.min() < 0 or y.max() >= K):
+            raise ValueError(f"{data.name}: {split} must be in [0, {K}) for {K} classes, "
+                         f"got values from {y.min()} to {y.max()}")
 
 
 def _append_jsonl(path, record):
@@ -484,7 +508,8 @@ def train(cfg, callback=None, model=None, data=None):
         if resumed is None and os.path.exists(os.path.join(out, "metrics.jsonl")):
             os.remove(os.path.join(out, "metrics.jsonl"))   # a fresh run starts a fresh log
 
-    # the whole data set goes to the backend once (on CuPy it then lives on the GPU)
+    # the whole data set goes to the backend once (on CuPy it then lives on the GPU), its labels checked first
+    check_labels(data)
     dev = model.backend
     x_train, y_train = backend.asarray(data.x_train, backend=dev), backend.asarray(data.y_train, backend=dev)
     x_test, y_test = backend.asarray(data.x_test, backend=dev), backend.asarray(data.y_test, backend=dev)

@@ -271,3 +271,60 @@ def test_gpu_check_fits_its_budget_by_construction():
     assert sum(int(limit) for _, limit in steps) < 540
     assert 'timeout -s INT' in text and "export PYTHONUNBUFFERED=1" in text
     assert "not slow" in text and "tar -czf" in text and text.rstrip().endswith('exit "$failed"')
+
+
+# ---- the trainer: one host sync per step ----------------------------------------------------------------
+
+@pytest.mark.parametrize("kw", [{}, dict(clip_grad=1.0, grad_accum=2, precision="float16")])
+def test_a_training_step_waits_for_the_device_once(gpu, kw):
+    """train_step reads the loss, the accuracy, the scaler's finiteness and the gradient norm in one transfer
+    (issue 18: it made 4 reads per micro-batch, more with clipping and loss scaling)."""
+    import warnings
+
+    from minivit import train as T
+
+    cfg = T.resolve(T.TrainConfig(dataset="shapes", recipe="demo", max_steps=10, batch_size=8, out=None, **kw))
+    model = small_model()
+    scaler = None
+    if "precision" in kw:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model.set_matmul_dtype("float16")
+        scaler = LossScaler()
+    opt = T.build_optimizer(cfg, model)
+    rng = np.random.default_rng(0)
+    x = minivit.asarray(rng.standard_normal((8, 16, 16, 3)).astype("float32"))
+    y = minivit.asarray(rng.integers(0, 5, 8))
+    T.train_step(model, opt, x, y, cfg, scaler)               # the first step also probes the twins
+    for _ in range(2):
+        gpu.reset()
+        loss, correct, grad_norm = T.train_step(model, opt, x, y, cfg, scaler)
+        assert gpu.syncs == ["get()"]
+        assert isinstance(loss, float) and isinstance(correct, int) and 0 <= correct <= 8
+        assert (grad_norm is None) == ("clip_grad" not in kw)
+
+
+def test_a_whole_training_run_on_the_stand_in(gpu):
+    """minivit.train.train on the "GPU": it runs, learns, and waits for the device about once a step."""
+    from minivit import train as T
+    from minivit.data import Dataset
+
+    rng = np.random.default_rng(0)
+    y = rng.integers(0, 2, 96)
+    x = np.where(y[:, None, None, None] == 1, 200, 40) + rng.integers(0, 30, (96, 16, 16, 3))
+    data = Dataset("shapes", x[:64].astype(np.uint8), y[:64], x[64:].astype(np.uint8), y[64:], ["dark", "bright"],
+                   (0.5, 0.5, 0.5), (0.25, 0.25, 0.25))
+    cfg = T.TrainConfig(embed_dim=24, depth=1, num_heads=2, batch_size=16, max_steps=12, num_evals=1, lr=3e-3,
+                        warmup_epochs=0, backend="cupy", out=None, progress=False, verbose=False)
+    import dataclasses
+
+    T.train(dataclasses.replace(cfg, max_steps=2), data=data)    # the twins' probes (once per process)
+    gpu.reset()
+    result = T.train(cfg, data=data)
+    assert result.summary["backend"] == "cupy" and result.summary["steps"] == 12
+    assert result.history[-1]["val_acc"] == 1.0
+    reads = collections.Counter(gpu.syncs)
+    assert reads["get()"] == 12 and sum(reads.values()) == 12 + 4   # a read per step; 4 in the one evaluation
+    with pytest.raises(ValueError, match=r"y_train must be in \[0, 2\)"):
+        T.train(cfg, data=Dataset("shapes", data.x_train, data.y_train + 1, data.x_test, data.y_test,
+                                  data.classes, data.mean, data.std))
