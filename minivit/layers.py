@@ -121,6 +121,9 @@ class Classifier(Layer):
     def forward(self, x):
         """x: float images (B, H, W, C), channels last. Returns logits (B, K)."""
         self.check_input(x)
+        if x.shape[0] == 0:
+            raise ValueError(f"got an empty batch, shape {tuple(x.shape)}: give at least one image")
+        self.batch_size = x.shape[0] if self.training else None    # backward checks dlogits against it
         for _, layer in self.stages():
             x = layer.forward(x)
         return x
@@ -130,6 +133,10 @@ class Classifier(Layer):
         K = self.config.num_classes
         if not hasattr(dlogits, "ndim") or dlogits.ndim != 2 or dlogits.shape[1] != K:
             raise ValueError(f"dlogits must be an array (B, {K}), got {getattr(dlogits, 'shape', type(dlogits))}")
+        B = getattr(self, "batch_size", None)
+        if B is not None and dlogits.shape[0] != B:
+            raise ValueError(f"dlogits has {dlogits.shape[0]} rows but the last forward had a batch of {B}: "
+                             f"backward takes the gradient of that forward's logits, shape ({B}, {K})")
         dx = dlogits
         for _, layer in reversed(self.stages()):
             dx = layer.backward(dx)

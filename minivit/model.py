@@ -21,6 +21,7 @@ order); minivit.convert translates to and from timm's and the original JAX relea
 
 import copy
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from . import functional as F
@@ -72,15 +73,20 @@ class ViTConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         H, W = img
+        if H < 1 or W < 1:
+            raise ValueError(f"img_size must be positive, got {self.img_size!r}")
         P = self.patch_size
-        if H < 1 or W < 1 or H % P or W % P:
+        if H % P or W % P:
             raise ValueError(f"img_size {img} must be divisible by patch_size {P} "
                              f"(the image is cut into whole {P}x{P} patches)")
         if self.embed_dim % self.num_heads:
             raise ValueError(f"embed_dim {self.embed_dim} must be divisible by num_heads {self.num_heads} "
                              f"(each head gets embed_dim / num_heads features)")
-        if not self.mlp_ratio > 0 or int(self.embed_dim * self.mlp_ratio) < 1:
-            raise ValueError(f"mlp_ratio must be positive, got {self.mlp_ratio!r}")
+        if (not isinstance(self.mlp_ratio, (int, float)) or isinstance(self.mlp_ratio, bool)
+                or not 0 < self.mlp_ratio < math.inf or int(self.embed_dim * self.mlp_ratio) < 1):
+            raise ValueError(f"mlp_ratio must be a positive finite number, got {self.mlp_ratio!r}")
+        if not isinstance(self.qkv_bias, bool):
+            raise TypeError(f"qkv_bias must be True or False, got {self.qkv_bias!r}")
         if self.pool not in ("cls", "gap"):
             raise ValueError(f"pool must be 'cls' or 'gap', got {self.pool!r}")
         if self.gelu not in F.GELU_KINDS:
@@ -259,13 +265,25 @@ class ViT(Classifier):
         return {name: to_numpy(p).copy() for name, p in self.params.items()}
 
     def load_state_dict(self, state):
-        """Copy parameters in from a dict of arrays. Strict: a missing, unexpected or mis-shaped key is
-        named in the error, and a refused load changes nothing."""
+        """Copy parameters in from a dict of arrays. Strict: a missing, unexpected, mis-shaped or non-numeric
+        entry is named in the error, and a refused load changes nothing (every array is checked and cast
+        to the parameter's dtype before the first is copied in)."""
         missing = sorted(set(self.params) - set(state))
         unexpected = sorted(set(state) - set(self.params))
-        wrong = [f"{k}: expected {tuple(self.params[k].shape)}, got {tuple(state[k].shape)}"
-                 for k in self.params if k in state and tuple(state[k].shape) != tuple(self.params[k].shape)]
-        if missing or unexpected or wrong:
+        wrong, not_numeric, cast = [], [], {}
+        for k, p in self.params.items():
+            if k not in state:
+                continue
+            value = state[k]
+            kind = value.dtype.kind if is_array(value) else None
+            if kind not in ("f", "i", "u"):                   # strings, objects, bools, complex, lists
+                what = f"dtype {value.dtype}" if is_array(value) else type(value).__name__
+                not_numeric.append(f"{k}: {what}")
+            elif tuple(value.shape) != tuple(p.shape):
+                wrong.append(f"{k}: expected {tuple(p.shape)}, got {tuple(value.shape)}")
+            else:
+                cast[k] = asarray(value, dtype=p.dtype, backend=backend_of(p))   # a new array, p untouched
+        if missing or unexpected or wrong or not_numeric:
             parts = []
             if missing:
                 parts.append(f"missing keys {missing}")
@@ -273,9 +291,11 @@ class ViT(Classifier):
                 parts.append(f"unexpected keys {unexpected}")
             if wrong:
                 parts.append("mis-shaped: " + "; ".join(wrong))
+            if not_numeric:
+                parts.append("not numeric arrays: " + "; ".join(not_numeric))
             raise ValueError("load_state_dict refused (nothing was changed): " + ", ".join(parts))
         for k, p in self.params.items():
-            p[...] = asarray(state[k], dtype=p.dtype, backend=backend_of(p))
+            p[...] = cast[k]
         return self
 
     # ---- pre-trained weights (minivit.convert reads the files) ------------------------------------
