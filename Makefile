@@ -34,9 +34,10 @@ $(PARITY_VENV)/.installed: requirements.txt pyproject.toml
 test-parity: $(PARITY_VENV)/.installed
 	$(PARITY_PY) -m pytest -m parity $(PYTEST_ARGS)
 
-## make train: the main job, a small ViT on CIFAR-10 (falls back to Fashion-MNIST or shapes offline)
+## make train: the main job, a small ViT on CIFAR-10 (falls back to Fashion-MNIST or shapes offline), into
+## runs/cifar10 (or runs/fashion-mnist, runs/shapes: the data set it trained on); ARGS=--resume continues it
 train: $(VENV)/.installed
-	$(PY) -m minivit.train --dataset cifar10 --download --fallback --out runs/cifar10 $(ARGS)
+	$(PY) -m minivit.train --dataset cifar10 --download --fallback --out 'runs/{dataset}' $(ARGS)
 
 ## make demo: the offline quick run on the procedural `shapes` data set (about three minutes on 2 cores)
 demo: $(VENV)/.installed

@@ -13,7 +13,12 @@ One optimizer step, written out (see train_step below):
 
 What is written to OUT: metrics.jsonl (one line per evaluation), summary.json, checkpoint.npz (model,
 optimizer, RNG states, step; written atomically at every evaluation), curves.png. With out=None (from
-Python) nothing is written: experiments/ call train(cfg, model=..., data=...) that way.
+Python) nothing is written: experiments/ call train(cfg, model=..., data=...) that way. An OUT that
+already holds a run is refused unless --resume (continue it) or --overwrite (replace it) says what to do.
+
+Nothing is lost: Ctrl-C or SIGTERM finishes the step, evaluates, saves a checkpoint and exits (130 or
+143); a NaN or infinite loss, validation loss or parameter stops the run, keeping the checkpoint of the
+last evaluation at which all three were finite; a checkpoint is only ever written from a finite state.
 
 Reproducibility: the batches of step s are a function of (seed, s) alone: epoch e = s // steps_per_epoch
 is shuffled by a generator seeded with (seed, e), and the augmentation of step s by one seeded with
@@ -23,6 +28,7 @@ bit-for-bit the parameters of an uninterrupted one (on the CPU, same seed).
 
 import argparse
 import dataclasses
+import errno
 import json
 import math
 import os
@@ -38,11 +44,13 @@ from tqdm import tqdm
 from . import augment as A
 from . import backend
 from .amp import LossScaler
-from .checkpoint import load_checkpoint, restore_dropout_rngs, save_checkpoint
+from .checkpoint import (check_finite, load_checkpoint, remove_stale_temporaries, restore_dropout_rngs,
+                         save_checkpoint, write_atomic)
 from .data import DATASETS, load_dataset, resize_images
 from .functional import cross_entropy
-from .model import ViTConfig, create_model, presets
+from .model import ViT, ViTConfig, create_model, presets
 from .optim import SGD, AdamW, WarmupCosine, clip_grad_norm, default_no_decay
+from .plot import read_metrics
 
 # --------------------------------------------------------------------------------------------------
 # Recipes: named sets of defaults. Any flag given on the command line overrides its recipe's value.
@@ -115,8 +123,9 @@ class TrainConfig:
     backend: str = None               # numpy | cupy (default: the current backend)
     dtype: str = "float32"
     precision: str = "float32"        # float16: mixed precision, float16 matmuls + loss scaling (minivit/amp.py)
-    out: str = "runs/default"         # None: write nothing (no metrics, summary, checkpoint or plot)
-    resume: bool = False
+    out: str = "runs/default"         # None: write nothing; "{dataset}" in it becomes the data set's name
+    resume: bool = False              # continue the run in out from its checkpoint
+    overwrite: bool = False           # replace the run in out (without resume or this, a run there is refused)
     eval_every: int = None            # evaluate every N steps (default: at the end of each epoch)
     num_evals: int = None             # or: evaluate this many times, evenly spaced, the last at the end
     eval_batch_size: int = 500
@@ -131,16 +140,21 @@ class TrainConfig:
     fallback_reason: str = None       # set when --fallback replaced CIFAR-10 (why it was unavailable)
 
 
-# The fields a resumed run may change; everything else comes from the checkpoint.
-RESUME_MAY_CHANGE = ("out", "resume", "progress", "verbose", "backend", "eval_every", "num_evals", "eval_batch_size",
-                     "download", "fallback")
+# A resumed run takes its settings from the checkpoint. Where and how it runs may change freely; its
+# length and evaluation cadence change when asked for (said in one line); any other setting that differs
+# is refused by name.
+RESUME_RUNTIME = ("out", "resume", "overwrite", "progress", "verbose", "backend", "eval_batch_size", "download",
+                  "fallback")
+RESUME_APPLIED = ("epochs", "max_steps", "eval_every", "num_evals")
+RUN_FILES = ("checkpoint.npz", "metrics.jsonl", "summary.json", "curves.png")
 MODEL_FIELDS = ("img_size", "patch_size", "embed_dim", "depth", "num_heads", "mlp_ratio", "pool", "drop_rate",
                 "drop_path_rate", "pos_embed", "stem")
 
 
 class TrainingDiverged(RuntimeError):
-    """The loss became NaN or infinite at optimizer step `step` (0-based: `step` steps had succeeded);
-    the last good checkpoint was kept."""
+    """The loss, the validation loss or a parameter became NaN or infinite after `step` optimizer steps
+    had run (`step` is the 0-based index of the step whose loss was not finite); the checkpoint of the
+    last finite evaluation was kept."""
 
     def __init__(self, message, step=None):
         super().__init__(message)
@@ -187,14 +201,37 @@ def resolve(cfg):
         raise ValueError(f"grad_accum must be a positive int dividing batch_size={r.batch_size}, got {r.grad_accum!r}")
     if r.epochs is None and r.max_steps is None:
         raise ValueError("give epochs or max_steps")
-    if r.epochs is not None and not r.epochs > 0:
-        raise ValueError(f"epochs must be > 0, got {r.epochs!r}")
+    if r.epochs is not None and not 0 < r.epochs < math.inf:
+        raise ValueError(f"epochs must be > 0 and finite, got {r.epochs!r}")
     if r.max_steps is not None and (not isinstance(r.max_steps, int) or r.max_steps < 1):
         raise ValueError(f"max_steps must be a positive int, got {r.max_steps!r}")
-    if not r.lr > 0:
-        raise ValueError(f"lr must be > 0, got {r.lr!r}")
-    if r.clip_grad is not None and not r.clip_grad > 0:
-        raise ValueError(f"clip_grad must be > 0, got {r.clip_grad!r}")
+    if not 0 < r.lr < math.inf:
+        raise ValueError(f"lr must be > 0 and finite, got {r.lr!r}")
+    if not 0 <= r.min_lr <= r.lr:
+        raise ValueError(f"min_lr must be in [0, lr={r.lr}], got {r.min_lr!r}")
+    if not 0 <= r.weight_decay < math.inf:
+        raise ValueError(f"weight_decay must be >= 0 and finite, got {r.weight_decay!r}")
+    if not 0 <= r.momentum < 1:
+        raise ValueError(f"momentum must be in [0, 1), got {r.momentum!r}")
+    if not 0 <= r.label_smoothing < 1:
+        raise ValueError(f"label_smoothing must be in [0, 1), got {r.label_smoothing!r}")
+    if r.warmup_epochs is not None and not 0 <= r.warmup_epochs < math.inf:
+        raise ValueError(f"warmup_epochs must be >= 0 and finite, got {r.warmup_epochs!r}")
+    if r.warmup_steps is not None and (not isinstance(r.warmup_steps, int) or r.warmup_steps < 0):
+        raise ValueError(f"warmup_steps must be an int >= 0, got {r.warmup_steps!r}")
+    if r.clip_grad is not None and not 0 < r.clip_grad < math.inf:
+        raise ValueError(f"clip_grad must be > 0 and finite, got {r.clip_grad!r}")
+    if r.train_subset is not None and (not isinstance(r.train_subset, int) or r.train_subset < 1):
+        raise ValueError(f"train_subset must be a positive int (how many training images to use), "
+                         f"got {r.train_subset!r}")
+    if not isinstance(r.eval_batch_size, int) or r.eval_batch_size < 1:
+        raise ValueError(f"eval_batch_size must be a positive int, got {r.eval_batch_size!r}")
+    if not isinstance(r.seed, int) or r.seed < 0:
+        raise ValueError(f"seed must be an int >= 0, got {r.seed!r}")
+    if r.init_gelu not in (None, "erf", "tanh"):
+        raise ValueError(f"init_gelu must be 'erf' or 'tanh', got {r.init_gelu!r}")
+    if r.resume and r.overwrite:
+        raise ValueError("give resume (continue the run in out) or overwrite (replace it), not both")
     for name in ("mixup", "cutmix"):
         if getattr(r, name) < 0:
             raise ValueError(f"{name} alpha must be >= 0, got {getattr(r, name)!r}")
@@ -243,15 +280,19 @@ def prepare_data(cfg):
     root = cfg.data_dir or "data"
     try:
         return load_dataset("cifar10", root), cfg
-    except FileNotFoundError as missing:
-        reason = str(missing)
+    except (FileNotFoundError, ValueError) as unavailable:   # missing, or damaged (checksum, archive)
+        reason = str(unavailable)
         if cfg.download:
+            if not isinstance(unavailable, FileNotFoundError):
+                _move_aside_damaged_cifar10(root)          # so that the download replaces it
             try:
                 _download_cifar10(root)
                 return load_dataset("cifar10", root), cfg
             except (OSError, ValueError) as err:  # NetworkError is an OSError
-                reason = f"the download failed ({err})"
+                reason = f"{reason}; the download failed ({err})"
         if not cfg.fallback:
+            if cfg.download:
+                raise type(unavailable)(reason) from None
             raise
     from .data import FASHION_MNIST_DIRS
 
@@ -265,15 +306,36 @@ def prepare_data(cfg):
     return load_dataset(cfg.dataset, cfg.data_dir), cfg
 
 
-def build_model(cfg, data):
-    """The ViT for cfg and this data set: the preset, the overrides, and the data's channels and classes."""
+def _move_aside_damaged_cifar10(root):
+    """Rename the CIFAR-10 copy that failed its checks (the folder, else the archive) to NAME.damaged, so a
+    fresh download takes its place and nothing is deleted."""
+    from .data import CIFAR10_ARCHIVE, CIFAR10_FOLDER
+
+    for name in (CIFAR10_FOLDER, CIFAR10_ARCHIVE):       # the order load_cifar10 reads them in
+        path = os.path.join(root, name)
+        if os.path.exists(path):
+            aside, n = path + ".damaged", 1
+            while os.path.exists(aside):
+                aside, n = f"{path}.damaged{n}", n + 1
+            os.replace(path, aside)
+            print(f"{path} failed its checks: moved it aside to {aside}", flush=True)
+            return
+
+
+def build_model(cfg, data, resumed=None):
+    """The ViT for cfg and this data set: the preset, the overrides, and the data's channels and classes.
+    resumed: a checkpoint to continue, whose saved config is used (its weights are loaded later)."""
+    if resumed is not None:
+        try:
+            config = ViTConfig.from_dict(resumed["meta"]["config"])
+        except (KeyError, TypeError, ValueError) as err:
+            raise ValueError(f"{resumed['path']!r}: the saved model config is not valid ({err})") from None
+        return ViT(config, seed=cfg.seed, dtype=cfg.dtype)
     H, W, C = data.image_shape
     overrides = {k: getattr(cfg, k) for k in MODEL_FIELDS if getattr(cfg, k) is not None}
     overrides.setdefault("img_size", (H, W))
     overrides.update(in_chans=C, num_classes=data.num_classes)
     if cfg.init:
-        from .model import ViT
-
         if not hasattr(ViT, "from_pretrained"):
             raise RuntimeError("--init needs minivit.ViT.from_pretrained, which this version lacks")
         model = ViT.from_pretrained(cfg.init, num_classes=data.num_classes, img_size=overrides["img_size"],
@@ -336,27 +398,34 @@ def evaluate(model, x_test, y_test, mean, std, dtype, batch_size=500):
 
 
 class _StopFlag:
-    """Ctrl-C sets the flag; the loop finishes its step, saves a checkpoint and stops. A second Ctrl-C
-    interrupts at once."""
+    """Ctrl-C (SIGINT) or SIGTERM (what a cluster scheduler sends before it kills a job) sets the flag;
+    the loop finishes its step, evaluates, saves a checkpoint and stops. A second signal interrupts at once."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
     def __init__(self):
-        self.stop, self._old = False, None
+        self.signum, self._old = None, {}
+
+    @property
+    def stop(self):
+        return self.signum is not None
 
     def __enter__(self):
-        try:
-            self._old = signal.signal(signal.SIGINT, self._handle)
-        except ValueError:  # not the main thread (e.g. some notebook runners): no handler
-            self._old = None
+        for signum in self.SIGNALS:
+            try:
+                self._old[signum] = signal.signal(signum, self._handle)
+            except ValueError:  # not the main thread (e.g. some notebook runners): no handler
+                pass
         return self
 
     def _handle(self, signum, frame):
         if self.stop:
             raise KeyboardInterrupt
-        self.stop = True
+        self.signum = signum
 
     def __exit__(self, *exc):
-        if self._old is not None:
-            signal.signal(signal.SIGINT, self._old)
+        for signum, old in self._old.items():
+            signal.signal(signum, old)
 
 
 def train_step(model, optimizer, x, y, cfg, scaler=None):
@@ -390,16 +459,204 @@ def train_step(model, optimizer, x, y, cfg, scaler=None):
     return total_loss, correct, grad_norm
 
 
+def non_finite_params(model):
+    """Names of the parameters holding a NaN or an infinity (one reduction per array)."""
+    return [name for name, p in model.params.items() if not bool(backend.get_array_module(p).isfinite(p).all())]
+
+
+# --------------------------------------------------------------------------------------------------
+# The run folder: refused when it holds a run nobody asked to continue or replace, checked writable before
+# the first step, every write atomic (or an append whose torn end is dropped on resume)
+# --------------------------------------------------------------------------------------------------
+
+
+def _naming_path(err, path):
+    """An OSError that names path (a failed write() names no file), with the original cause."""
+    return err if err.filename else OSError(err.errno, err.strerror or str(err), path)
+
+
 def _append_jsonl(path, record):
-    with open(path, "a") as f:
-        f.write(json.dumps(record) + "\n")
+    try:
+        with open(path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+    except OSError as err:
+        raise _naming_path(err, path) from None
 
 
 def _write_json_atomic(path, obj):
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2)
-    os.replace(tmp, path)
+    try:
+        write_atomic(path, lambda f: f.write(json.dumps(obj, indent=2).encode()))
+    except OSError as err:
+        raise _naming_path(err, path) from None
+
+
+def _write_jsonl_atomic(path, records):
+    try:
+        write_atomic(path, lambda f: f.write("".join(json.dumps(r) + "\n" for r in records).encode()))
+    except OSError as err:
+        raise _naming_path(err, path) from None
+
+
+def check_out(cfg):
+    """Refuse, before anything is read or written, an out that is a file, or that holds a run (checkpoint,
+    metrics or summary) which cfg neither resumes nor overwrites."""
+    out = cfg.out
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise NotADirectoryError(errno.ENOTDIR, "--out must be a folder, and a file is in the way", out)
+    parent = os.path.dirname(os.path.abspath(out))
+    while not os.path.exists(parent):                 # the folders makedirs would create: under a file?
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise NotADirectoryError(errno.ENOTDIR, f"--out cannot be created: {parent} is a file", out)
+    held = [name for name in RUN_FILES[:3] if os.path.exists(os.path.join(out, name))]
+    if held and not (cfg.resume or cfg.overwrite):
+        raise ValueError(f"--out {out} already holds a run ({', '.join(held)}): continue it with --resume, "
+                         f"replace it with --overwrite, or choose another --out")
+
+
+def open_out(out, overwrite=False):
+    """Make out ready for the first step: created, written to once (a probe file), cleared of the temporary
+    files of an interrupted write, and with overwrite, of the run it held. An OSError names out and the cause."""
+    try:
+        os.makedirs(out, exist_ok=True)
+        probe = os.path.join(out, ".write-probe.tmp")
+        with open(probe, "w") as f:
+            f.write("minivit checks that it can write here\n")
+        os.remove(probe)
+        stale = remove_stale_temporaries(out)
+        if overwrite:
+            for name in RUN_FILES:
+                if os.path.exists(os.path.join(out, name)):
+                    os.remove(os.path.join(out, name))
+    except OSError as err:
+        raise OSError(err.errno, f"--out cannot be used as the run folder: {err.strerror or err}", out) from None
+    if stale:
+        print(f"removed {len(stale)} temporary file(s) of an interrupted write: "
+              f"{', '.join(os.path.basename(p) for p in stale)}", flush=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# Resuming
+# --------------------------------------------------------------------------------------------------
+
+
+def _flag(name):
+    """The command-line flag of a TrainConfig field."""
+    return {"new_head": "--keep-head", "progress": "--no-progress"}.get(name, "--" + name.replace("_", "-"))
+
+
+def _resume_folder(cfg):
+    """cfg.out, with "{dataset}" replaced: by cfg.dataset, or with fallback by the first data set the run
+    may have fallen back to whose folder holds a checkpoint."""
+    if "{dataset}" not in cfg.out:
+        return cfg.out
+    names = [cfg.dataset] + (["fashion-mnist", "shapes"] if cfg.fallback and cfg.dataset == "cifar10" else [])
+    for name in names:
+        folder = cfg.out.replace("{dataset}", name)
+        if os.path.exists(os.path.join(folder, "checkpoint.npz")):
+            return folder
+    return cfg.out.replace("{dataset}", cfg.dataset)
+
+
+def resume_config(cfg):
+    """The run in cfg.out to continue: (its TrainConfig with cfg's permitted changes, the checkpoint, the
+    TrainConfig it was saved with, {field: new value} of the changes applied). A field of cfg that is not
+    its default and differs from the run's own is a change: applied if it is the run's length or its
+    evaluation cadence (RESUME_APPLIED), refused by name otherwise; where and how it runs always follow cfg."""
+    if cfg.out is None:
+        raise ValueError("resume needs out: the folder that holds checkpoint.npz")
+    out = _resume_folder(cfg)
+    ckpt_path = os.path.join(out, "checkpoint.npz")
+    if not os.path.exists(ckpt_path):
+        raise FileNotFoundError(f"--resume: no checkpoint at {ckpt_path!r} (train into --out {out!r} first)")
+    resumed = load_checkpoint(ckpt_path)
+    extra = resumed["meta"].get("extra") or {}
+    missing = [k for k in ("train_config", "step", "best_val_accuracy") if k not in extra]
+    if resumed["optimizer"] is None:
+        missing.append("optimizer state")
+    if missing:
+        raise ValueError(f"{ckpt_path!r} holds no training state to resume (no {', '.join(missing)}): "
+                         f"was it written by minivit.train?")
+    check_finite(resumed["params"], repr(ckpt_path))
+    fields = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+    saved = {k: v for k, v in extra["train_config"].items() if k in fields}   # older runs may have others
+    before = TrainConfig(**saved)
+    fell_back = cfg.fallback and cfg.dataset == "cifar10" and saved.get("dataset") != "cifar10"
+    applied, refused = {}, []
+    for name, value in dataclasses.asdict(cfg).items():
+        if name in RESUME_RUNTIME or value == fields[name] or value == saved.get(name, fields[name]):
+            continue
+        if fell_back and name in ("dataset", "data_dir"):   # asked again for the CIFAR-10 it fell back from
+            continue
+        if name in RESUME_APPLIED:
+            applied[name] = value
+        else:
+            refused.append(f"{_flag(name)} {value!r} (the run's: {saved.get(name, fields[name])!r})")
+    if refused:
+        raise ValueError(f"--resume continues the run in {out} with its own settings, and these differ from "
+                         f"them: {'; '.join(refused)}. On resume only {', '.join(map(_flag, RESUME_APPLIED))} "
+                         f"may change; to change the rest, start a new run (another --out, or --overwrite)")
+    if "epochs" in applied or "max_steps" in applied:        # the new length, said as a fresh run says it
+        saved.update(epochs=applied.get("epochs"), max_steps=applied.get("max_steps"))
+    if "eval_every" in applied or "num_evals" in applied:
+        saved.update(eval_every=applied.get("eval_every"), num_evals=applied.get("num_evals"))
+    saved.update({k: getattr(cfg, k) for k in RESUME_RUNTIME}, out=out)
+    return TrainConfig(**saved), resumed, before, applied
+
+
+def _cadence(cfg):
+    if cfg.num_evals:
+        return f"{cfg.num_evals} evaluations evenly spaced"
+    return f"every {cfg.eval_every} steps" if cfg.eval_every else "at the end of each epoch"
+
+
+def run_length(cfg, steps_per_epoch):
+    """Optimizer steps of the run: ceil(epochs * steps_per_epoch), at most max_steps; max_steps alone: that many."""
+    total = math.ceil(cfg.epochs * steps_per_epoch) if cfg.epochs is not None else cfg.max_steps
+    return total if cfg.max_steps is None else min(total, cfg.max_steps)
+
+
+def _history_to_resume(out, step):
+    """The evaluation records of the run in out up to its checkpoint's step (a record written after the
+    checkpoint, and a torn last line, are dropped: the resumed run writes them again)."""
+    if not os.path.exists(os.path.join(out, "metrics.jsonl")):
+        return []
+    records = read_metrics(out)
+    kept = [r for r in records if r.get("step", 0) <= step]
+    if len(kept) < len(records):
+        print(f"dropped {len(records) - len(kept)} record(s) of {os.path.join(out, 'metrics.jsonl')} written "
+              f"after the checkpoint's step {step}", flush=True)
+    return kept
+
+
+# --------------------------------------------------------------------------------------------------
+# The run
+# --------------------------------------------------------------------------------------------------
+
+
+def _diverged(what, step, lr, ckpt_path, saved_step):
+    """The one message of a stopped run: what was not finite, when, and which checkpoint is left."""
+    kept = ""
+    if ckpt_path is not None:
+        kept = (f" The last good checkpoint, of step {saved_step}, is kept at {ckpt_path}." if saved_step is not None
+                else " No checkpoint had been written yet.")
+    return TrainingDiverged(f"{what} at step {step} (lr {lr:.3g}); stopping.{kept} Try a lower --lr, a longer "
+                            f"warm-up or --clip-grad 1.0.", step=step)
+
+
+def _describe(cfg, model, given_model):
+    """'vit_cifar_tiny with embed_dim, depth changed: D=64, depth=4, patch=4, img=(32, 32)' and the like."""
+    c = model.config
+    if not isinstance(c, ViTConfig):
+        return model.extra_repr()
+    if given_model or cfg.init:
+        name = "a model given to train()" if given_model else f"from {cfg.init}"
+    else:
+        preset = presets[cfg.model]
+        changed = [f for f in ("patch_size", "embed_dim", "depth", "num_heads", "mlp_ratio", "pool", "pos_embed", "stem",
+                               "drop_rate", "drop_path_rate") if getattr(c, f) != getattr(preset, f)]
+        name = cfg.model + (f" with {', '.join(changed)} changed" if changed else "")
+    return f"{name}: D={c.embed_dim}, depth={c.depth}, patch={c.patch_size}, img={c.img_size}"
 
 
 def train(cfg, callback=None, model=None, data=None):
@@ -409,66 +666,81 @@ def train(cfg, callback=None, model=None, data=None):
     model (a ViT, or any minivit Classifier such as conv.ResNet) instead of building cfg's. data: train on
     this minivit.data.Dataset (e.g. a subset) instead of loading cfg.dataset. For experiments: max_steps
     without epochs runs exactly that many steps, num_evals evaluates that many times evenly spaced, and
-    out=None writes no file. A NaN or infinite loss raises TrainingDiverged (its .step says when)."""
+    out=None writes no file. A NaN or infinite loss, validation loss or parameter raises TrainingDiverged
+    (its .step says when). Every setting is checked before out is touched."""
     if not isinstance(cfg, TrainConfig):
         raise TypeError(f"cfg must be a TrainConfig, got {type(cfg).__name__}")
-    out = cfg.out
-    ckpt_path = None if out is None else os.path.join(out, "checkpoint.npz")
-    resumed = None
+    resumed, before, applied = None, None, {}
     if cfg.resume:
-        if out is None:
-            raise ValueError("resume needs out: the folder that holds checkpoint.npz")
-        if not os.path.exists(ckpt_path):
-            raise FileNotFoundError(f"--resume: no checkpoint at {ckpt_path!r} (train into --out {out!r} first)")
-        resumed = load_checkpoint(ckpt_path)
-        saved = resumed["meta"]["extra"].get("train_config")
-        if not saved:
-            raise ValueError(f"{ckpt_path!r} holds no training state (was it written by minivit.train?)")
-        saved.update({k: getattr(cfg, k) for k in RESUME_MAY_CHANGE})
-        cfg = TrainConfig(**saved)
+        cfg, resumed, before, applied = resume_config(cfg)
+    resolve(cfg if data is None else dataclasses.replace(cfg, dataset=data.name))  # every setting checked now,
+    if cfg.out is not None and "{dataset}" not in cfg.out:                          # before anything slow runs
+        check_out(cfg)
     if cfg.backend:
         backend.set_backend(cfg.backend)
     if data is None:
         data, cfg = prepare_data(cfg)
     else:
         cfg = dataclasses.replace(cfg, dataset=data.name)     # the recipe defaults follow the data given
-    cfg = resolve(cfg)
+    cfg = resolve(cfg)                                        # after any fallback: that data set's recipe
+    if cfg.out is not None and "{dataset}" in cfg.out:
+        cfg = dataclasses.replace(cfg, out=cfg.out.replace("{dataset}", cfg.dataset))
+        check_out(cfg)
+    out = cfg.out
+    ckpt_path = None if out is None else os.path.join(out, "checkpoint.npz")
     if cfg.img_size is not None and data.image_shape[:2] != _pair(cfg.img_size):
         data = dataclasses.replace(data, x_train=resize_images(data.x_train, _pair(cfg.img_size)),
                                    x_test=resize_images(data.x_test, _pair(cfg.img_size)))
     if cfg.train_subset:
+        if cfg.train_subset > data.x_train.shape[0]:
+            raise ValueError(f"train_subset {cfg.train_subset} is more than the {data.x_train.shape[0]} training "
+                             f"images of {data.name}")
         data = dataclasses.replace(data, x_train=data.x_train[:cfg.train_subset], y_train=data.y_train[:cfg.train_subset])
     n_train = data.x_train.shape[0]
     if n_train < cfg.batch_size:
         raise ValueError(f"batch_size {cfg.batch_size} is larger than the {n_train} training images")
     steps_per_epoch = n_train // cfg.batch_size
-    total_steps = math.ceil(cfg.epochs * steps_per_epoch) if cfg.epochs is not None else cfg.max_steps
-    if cfg.max_steps is not None:
-        total_steps = min(total_steps, cfg.max_steps)
+    total_steps = run_length(cfg, steps_per_epoch)
     warmup = cfg.warmup_steps if cfg.warmup_steps is not None else round((cfg.warmup_epochs or 0) * steps_per_epoch)
     schedule = WarmupCosine(cfg.lr, total_steps, warmup_steps=min(warmup, total_steps), min_lr=cfg.min_lr)
 
     given_model = model is not None
-    model = model if given_model else build_model(cfg, data)
+    model = model if given_model else build_model(cfg, data, resumed)
     model.train()                                   # a model given in eval mode would train without dropout
     model.set_matmul_dtype("float16" if cfg.precision == "float16" else None)
     scaler = LossScaler() if cfg.precision == "float16" else None
     optimizer = build_optimizer(cfg, model)
-    step, best, history = 0, 0.0, []
+    step, best, history, saved_step = 0, 0.0, [], None
     if resumed is not None:
-        model.load_state_dict(resumed["params"])
-        optimizer.load_state_dict(resumed["optimizer"])
-        restore_dropout_rngs(model, resumed["meta"]["dropout_rng"])
         extra = resumed["meta"]["extra"]
         step, best = extra["step"], extra["best_val_accuracy"]
+        if scaler is not None and "loss_scaler" not in extra:
+            raise ValueError(f"{ckpt_path!r} has no loss-scaler state for its float16 run (an edited file?)")
+        try:
+            model.load_state_dict(resumed["params"])
+            optimizer.load_state_dict(resumed["optimizer"])
+        except (KeyError, TypeError, ValueError) as err:
+            raise ValueError(f"{ckpt_path!r}: {err}") from None
+        restore_dropout_rngs(model, resumed["meta"].get("dropout_rng") or {})
         if scaler is not None:
             scaler.load_state_dict(extra["loss_scaler"])
-        history = _read_history(os.path.join(out, "metrics.jsonl"))
+        history, saved_step = _history_to_resume(out, step), step
+        old_total = run_length(resolve(before), steps_per_epoch)
+        if total_steps < step:
+            raise ValueError(f"{' '.join(f'{_flag(k)} {v}' for k, v in applied.items())}: the run is already at "
+                             f"step {step}, past the {total_steps} steps that asks for")
         print(f"resuming {ckpt_path} at step {step} of {total_steps}", flush=True)
-    if out is not None:
-        os.makedirs(out, exist_ok=True)
-        if resumed is None and os.path.exists(os.path.join(out, "metrics.jsonl")):
-            os.remove(os.path.join(out, "metrics.jsonl"))   # a fresh run starts a fresh log
+        if total_steps != old_total:
+            print(f"the run now ends at step {total_steps} instead of {old_total}: the learning-rate schedule is "
+                  f"recomputed for {total_steps} steps from step {step} on, so the result differs from that of "
+                  f"a run set up for {total_steps} steps from the start", flush=True)
+        if _cadence(cfg) != _cadence(before):
+            print(f"from step {step} on, evaluations and checkpoints {_cadence(cfg)} (the run had them "
+                  f"{_cadence(before)})", flush=True)
+    if out is not None:                             # every setting has been checked: now the folder is touched
+        open_out(out, overwrite=cfg.overwrite)
+        if resumed is not None and os.path.exists(os.path.join(out, "metrics.jsonl")):
+            _write_jsonl_atomic(os.path.join(out, "metrics.jsonl"), history)   # without a torn or later line
 
     # the whole data set goes to the backend once (on CuPy it then lives on the GPU)
     dev = model.backend
@@ -487,82 +759,84 @@ def train(cfg, callback=None, model=None, data=None):
                  "classes": data.classes, "mean": list(data.mean), "std": list(data.std), "dataset": data.name}
         if scaler is not None:
             extra["loss_scaler"] = scaler.state_dict()
-        save_checkpoint(ckpt_path, model, optimizer, extra)
+        try:
+            save_checkpoint(ckpt_path, model, optimizer, extra)
+        except OSError as err:
+            raise _naming_path(err, ckpt_path) from None
 
     if cfg.verbose:
-        name = "a model given to train()" if given_model else (f"from {cfg.init}" if cfg.init else cfg.model)
-        c = model.config
-        shape = (f"D={c.embed_dim}, depth={c.depth}, patch={c.patch_size}, img={c.img_size}"
-                 if isinstance(c, ViTConfig) else model.extra_repr())
-        print(f"training {model.num_params():,}-parameter {type(model).__name__} ({name}: {shape}) on "
-              f"{data.name} ({n_train} images, {data.num_classes} classes) with {backend.get_backend()}, "
+        print(f"training {model.num_params():,}-parameter {type(model).__name__} ({_describe(cfg, model, given_model)}) "
+              f"on {data.name} ({n_train} images, {data.num_classes} classes) with {backend.get_backend()}, "
               f"{total_steps} steps of batch {cfg.batch_size}", flush=True)
     start_time, start_step = time.perf_counter(), step
-    run_loss, run_correct, run_seen, interrupted, eval_seconds = 0.0, 0, 0, False, 0.0
+    run_loss, run_correct, run_seen, eval_seconds = 0.0, 0, 0, 0.0
     bar = tqdm(total=total_steps, initial=step, disable=not cfg.progress, unit="step", dynamic_ncols=True,
                desc=f"{data.name}")
     with _StopFlag() as flag:
-        while step < total_steps:
-            optimizer.lr = schedule(step)
-            x, y = batch_for_step(step, cfg, x_train, y_train, steps_per_epoch, data.mean, data.std, cfg.dtype,
-                                  data.num_classes)
-            try:
-                loss, correct, _ = train_step(model, optimizer, x, y, cfg, scaler)
-            except FloatingPointError as err:             # the loss scaler gave up: see amp.LossScaler
-                bar.close()
-                raise TrainingDiverged(f"at step {step}: {err}", step=step) from None
-            if not math.isfinite(loss):
-                bar.close()
-                kept = "" if ckpt_path is None else (f" The last good checkpoint is kept at {ckpt_path}"
-                                                     + ("" if os.path.exists(ckpt_path) else " (none yet)") + ".")
-                raise TrainingDiverged(f"the loss became {loss} at step {step} (lr {optimizer.lr:.3g}); stopping."
-                                       f"{kept} Try a lower --lr, a longer warm-up or --clip-grad 1.0.", step=step)
-            step += 1
-            run_loss += loss * x.shape[0]
-            run_correct += correct
-            run_seen += x.shape[0]
-            elapsed = time.perf_counter() - start_time
-            ips = (step - start_step) * cfg.batch_size / max(elapsed, 1e-9)
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss:.3f}", acc=f"{correct / x.shape[0]:.2f}", img_s=f"{ips:.0f}")
-            if step in eval_steps or flag.stop:
-                eval_start = time.perf_counter()
-                val_loss, val_acc = evaluate(model, x_test, y_test, data.mean, data.std, cfg.dtype,
-                                             cfg.eval_batch_size)
-                eval_seconds += time.perf_counter() - eval_start
-                best = max(best, val_acc)
-                record = {"step": step, "epoch": round(step / steps_per_epoch, 4),
-                          "train_loss": run_loss / max(run_seen, 1), "train_acc": run_correct / max(run_seen, 1),
-                          "val_loss": val_loss, "val_acc": val_acc, "lr": optimizer.lr,
-                          "images_per_second": ips, "wall_seconds": elapsed}
-                if scaler is not None:
-                    record.update(loss_scale=scaler.scale_value, skipped_steps=scaler.skipped_steps)
-                history.append(record)
-                if out is not None:
-                    _append_jsonl(os.path.join(out, "metrics.jsonl"), record)
-                    save(step)
-                if cfg.verbose:
-                    bar.write(f"epoch {record['epoch']:.2f} step {step}: train loss {record['train_loss']:.4f} "
-                              f"acc {record['train_acc']:.2%} | val loss {val_loss:.4f} acc {val_acc:.2%} | "
-                              f"{ips:.0f} img/s")
-                run_loss, run_correct, run_seen = 0.0, 0, 0
-                if callback is not None:
-                    callback(record)
-            if flag.stop:
-                interrupted = True
-                where = "no checkpoint (out=None)" if ckpt_path is None else \
-                    f"checkpoint saved to {ckpt_path}; continue with --resume"
-                bar.write(f"interrupted at step {step}: {where}")
-                break
-    bar.close()
+        try:
+            while step < total_steps:
+                optimizer.lr = schedule(step)
+                x, y = batch_for_step(step, cfg, x_train, y_train, steps_per_epoch, data.mean, data.std, cfg.dtype,
+                                      data.num_classes)
+                try:
+                    loss, correct, _ = train_step(model, optimizer, x, y, cfg, scaler)
+                except FloatingPointError as err:             # the loss scaler gave up: see amp.LossScaler
+                    raise _diverged(str(err), step, optimizer.lr, ckpt_path, saved_step) from None
+                if not math.isfinite(loss):
+                    raise _diverged(f"the loss became {loss}", step, optimizer.lr, ckpt_path, saved_step)
+                step += 1
+                run_loss += loss * x.shape[0]
+                run_correct += correct
+                run_seen += x.shape[0]
+                elapsed = time.perf_counter() - start_time
+                ips = (step - start_step) * cfg.batch_size / max(elapsed, 1e-9)
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss:.3f}", acc=f"{correct / x.shape[0]:.2f}", img_s=f"{ips:.0f}")
+                if step in eval_steps or flag.stop:
+                    eval_start = time.perf_counter()
+                    val_loss, val_acc = evaluate(model, x_test, y_test, data.mean, data.std, cfg.dtype,
+                                                 cfg.eval_batch_size)
+                    eval_seconds += time.perf_counter() - eval_start
+                    bad = non_finite_params(model)
+                    if not math.isfinite(val_loss) or bad:   # then no record and no checkpoint of this state
+                        what = (f"the validation loss became {val_loss}" if not math.isfinite(val_loss) else
+                                f"{len(bad)} parameters ({', '.join(bad[:3])}...) became NaN or infinite")
+                        raise _diverged(what, step, optimizer.lr, ckpt_path, saved_step)
+                    best = max(best, val_acc)
+                    record = {"step": step, "epoch": round(step / steps_per_epoch, 4),
+                              "train_loss": run_loss / max(run_seen, 1), "train_acc": run_correct / max(run_seen, 1),
+                              "val_loss": val_loss, "val_acc": val_acc, "lr": optimizer.lr,
+                              "images_per_second": ips, "wall_seconds": elapsed}
+                    if scaler is not None:
+                        record.update(loss_scale=scaler.scale_value, skipped_steps=scaler.skipped_steps)
+                    history.append(record)
+                    if out is not None:
+                        _append_jsonl(os.path.join(out, "metrics.jsonl"), record)
+                        save(step)
+                        saved_step = step
+                    if cfg.verbose:
+                        bar.write(f"epoch {record['epoch']:.2f} step {step}: train loss {record['train_loss']:.4f} "
+                                  f"acc {record['train_acc']:.2%} | val loss {val_loss:.4f} acc {val_acc:.2%} | "
+                                  f"{ips:.0f} img/s")
+                    run_loss, run_correct, run_seen = 0.0, 0, 0
+                    if callback is not None:
+                        callback(record)
+                if flag.stop:
+                    where = "no checkpoint (out=None)" if ckpt_path is None else \
+                        f"checkpoint saved to {ckpt_path}; continue with --resume"
+                    bar.write(f"{signal.Signals(flag.signum).name} at step {step}: {where}")
+                    break
+        finally:
+            bar.close()
     wall = time.perf_counter() - start_time
+    stopped_by = None if flag.signum is None else signal.Signals(flag.signum).name
     summary = {"best_val_accuracy": best, "final_val_accuracy": history[-1]["val_acc"] if history else None,
                "final_val_loss": history[-1]["val_loss"] if history else None,
                "steps": step, "total_steps": total_steps, "epochs": round(step / steps_per_epoch, 4),
                "wall_seconds": wall, "eval_seconds": eval_seconds,
                "images_per_second": (step - start_step) * cfg.batch_size / max(wall, 1e-9),
-               "interrupted": interrupted, "backend": backend.get_backend(), "dataset": data.name,
-               "num_params": model.num_params(), "config": model.config.to_dict(),
+               "interrupted": stopped_by is not None, "signal": stopped_by, "backend": backend.get_backend(),
+               "dataset": data.name, "num_params": model.num_params(), "config": model.config.to_dict(),
                "train_config": dataclasses.asdict(cfg)}
     if scaler is not None:
         summary.update(loss_scale=scaler.scale_value, skipped_steps=scaler.skipped_steps)
@@ -582,21 +856,22 @@ def _pair(size):
     return (size, size) if isinstance(size, int) else tuple(size)
 
 
-def _read_history(path):
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
 # --------------------------------------------------------------------------------------------------
 # The command line
 # --------------------------------------------------------------------------------------------------
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each option's default, except for on/off flags: "--no-progress (default: True)" reads the wrong
+    way round (a flag is off unless given)."""
+
+    def _get_help_string(self, action):
+        return action.help or "" if action.nargs == 0 else super()._get_help_string(action)
+
+
 def _parser():
     p = argparse.ArgumentParser(prog="python -m minivit.train", description="Train a Vision Transformer.",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=_HelpFormatter)
     p.add_argument("--dataset", default="cifar10", choices=DATASETS)
     p.add_argument("--data-dir", help="folder of the data set (cifar10 default: data/)")
     p.add_argument("--recipe", choices=sorted(RECIPES),
@@ -625,8 +900,10 @@ def _parser():
     p.add_argument("--dtype", default="float32", choices=("float32", "float64"))
     p.add_argument("--precision", default="float32", choices=("float32", "float16"),
                    help="float16: mixed precision (float16 matmuls, float32 master weights, loss scaling); for the GPU")
-    p.add_argument("--out", default="runs/default", help="folder for metrics, checkpoint and plots")
-    p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.npz")
+    p.add_argument("--out", default="runs/default",
+                   help="folder for metrics, checkpoint and plots; {dataset} in it becomes the data set's name")
+    p.add_argument("--resume", action="store_true", help="continue the run in OUT from its checkpoint.npz")
+    p.add_argument("--overwrite", action="store_true", help="replace the run that OUT holds (else it is refused)")
     p.add_argument("--init", help="start from pretrained weights (.npz or .safetensors)")
     p.add_argument("--keep-head", dest="new_head", action="store_false",
                    help="with --init: keep the checkpoint's head instead of a new zero-initialised one")
@@ -645,7 +922,11 @@ def main(argv=None):
     except TrainingDiverged as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
-    except (ValueError, FileNotFoundError, RuntimeError) as err:
+    except OSError as err:             # permission, no space left, a file in the way: one line, the path and why
+        where = f"{err.filename}: {err.strerror}" if err.filename and err.strerror else str(err)
+        print(f"error: {where}", file=sys.stderr)
+        return 2
+    except (ValueError, TypeError, RuntimeError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     s = result.summary
@@ -653,7 +934,7 @@ def main(argv=None):
         print(f"done: {s['steps']} steps in {s['wall_seconds']:.0f} s ({s['images_per_second']:.0f} img/s); "
               f"final val accuracy {s['final_val_accuracy']:.2%}, best {s['best_val_accuracy']:.2%}; "
               f"results in {result.out}/")
-    return 130 if s["interrupted"] else 0
+    return 128 + getattr(signal, s["signal"]) if s["interrupted"] else 0   # 130 after Ctrl-C, 143 after SIGTERM
 
 
 if __name__ == "__main__":
