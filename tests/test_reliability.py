@@ -270,7 +270,7 @@ def test_load_state_dict_checks_and_casts_every_array_before_copying_any():
     (dict(train_subset=0), "train_subset must be a positive int"),
     (dict(train_subset=1000), "train_subset 1000 is more than the 256 training images"),
     (dict(label_smoothing=2.0), r"label_smoothing must be in \[0, 1\), got 2.0"),
-    (dict(warmup_steps=-1), "warmup_steps must be an int >= 0"),
+    (dict(warmup_steps=-1), "warmup_steps must be >= 0 and finite, got -1"),
 ])
 def test_bad_numbers_are_refused_before_a_step(tmp_path, data, kw, match):
     with pytest.raises(ValueError, match=match):
