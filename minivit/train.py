@@ -46,7 +46,7 @@ import numpy
 from tqdm import tqdm
 
 from . import augment as A
-from . import backend
+from . import backend, ops
 from .amp import LossScaler
 from .checkpoint import (check_finite, load_checkpoint, remove_stale_temporaries, restore_dropout_rngs,
                          save_checkpoint, write_atomic)
@@ -416,6 +416,20 @@ def evaluate(model, x_test, y_test, mean, std, dtype, batch_size=500):
     return total_loss / n, correct / n
 
 
+def announce_ops(model, optimizer, images, mean, std, dtype):
+    """Which ops will run from kernels.py and which from functional.py (minivit/ops.py), as lines to print.
+    One forward in eval mode on a couple of images (no caches kept, no dropout drawn, so the run itself is
+    unchanged) makes ops check every fast twin the model uses against functional.py as it stands now."""
+    was_training = model.training
+    try:
+        model.eval().forward(A.normalize(images, mean, std, dtype))
+    finally:
+        model.train(was_training)
+    if isinstance(optimizer, AdamW):
+        ops.uses_twin("adamw", next(iter(model.params.values())))
+    return ops.summary_lines()
+
+
 # --------------------------------------------------------------------------------------------------
 # The loop
 # --------------------------------------------------------------------------------------------------
@@ -782,6 +796,8 @@ def set_up(cfg, model=None, data=None):
     run.x_train, run.y_train = (backend.asarray(a, backend=model.backend) for a in (data.x_train, data.y_train))
     run.x_test, run.y_test = (backend.asarray(a, backend=model.backend) for a in (data.x_test, data.y_test))
     if cfg.verbose:
+        for line in announce_ops(model, run.optimizer, run.x_train[:2], data.mean, data.std, cfg.dtype):
+            print(line, flush=True)
         print(f"training {model.num_params():,}-parameter {type(model).__name__} ({_describe(cfg, model, given_model)}) "
               f"on {data.name} ({data.x_train.shape[0]} images, {data.num_classes} classes) with "
               f"{backend.get_backend()}, {total_steps} steps of batch {cfg.batch_size}", flush=True)
