@@ -509,8 +509,9 @@ def non_finite_params(model):
 
 
 def _naming_path(err, path):
-    """An OSError that names path (a failed write() names no file), with the original cause."""
-    return err if err.filename else OSError(err.errno, err.strerror or str(err), path)
+    """The OSError err, naming the file being written (a failed write() names none, a failed temporary file
+    its own name), with the original cause."""
+    return OSError(err.errno, err.strerror or str(err), path)
 
 
 def _append_jsonl(path, record):
