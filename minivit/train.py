@@ -121,7 +121,7 @@ class TrainConfig:
     num_evals: int = None             # or: evaluate this many times, evenly spaced, the last at the end
     eval_batch_size: int = 500
     train_subset: int = None          # use only the first N training images (quick runs, data-size studies)
-    init: str = None                  # start from pretrained weights (minivit.ViT.from_pretrained)
+    init: str = None                  # start from pretrained weights (minivit.from_pretrained)
     new_head: bool = True             # with init: a zero-initialised head, as the paper fine-tunes
     init_gelu: str = None             # with init: "erf" | "tanh" (default: the checkpoint kind's own)
     download: bool = False            # cifar10: download it when missing
@@ -272,12 +272,10 @@ def build_model(cfg, data):
     overrides.setdefault("img_size", (H, W))
     overrides.update(in_chans=C, num_classes=data.num_classes)
     if cfg.init:
-        from .model import ViT
+        from .convert import from_pretrained
 
-        if not hasattr(ViT, "from_pretrained"):
-            raise RuntimeError("--init needs minivit.ViT.from_pretrained, which this version lacks")
-        model = ViT.from_pretrained(cfg.init, num_classes=data.num_classes, img_size=overrides["img_size"],
-                                    gelu=cfg.init_gelu, seed=cfg.seed, dtype=cfg.dtype, new_head=cfg.new_head)
+        model = from_pretrained(cfg.init, num_classes=data.num_classes, img_size=overrides["img_size"],
+                                gelu=cfg.init_gelu, seed=cfg.seed, dtype=cfg.dtype, new_head=cfg.new_head)
         return model
     return create_model(cfg.model, seed=cfg.seed, dtype=cfg.dtype, **overrides)
 
@@ -406,7 +404,7 @@ def train(cfg, callback=None, model=None, data=None):
     """Run training as cfg (a TrainConfig) says. Returns a TrainResult (model, history, summary, out).
 
     callback(record), if given, is called after each evaluation with its metrics dict. model: train this
-    model (a ViT, or any minivit Classifier such as conv.ResNet) instead of building cfg's. data: train on
+    model (a ViT, or any minivit Classifier such as resnet.ResNet) instead of building cfg's. data: train on
     this minivit.data.Dataset (e.g. a subset) instead of loading cfg.dataset. For experiments: max_steps
     without epochs runs exactly that many steps, num_evals evaluates that many times evenly spaced, and
     out=None writes no file. A NaN or infinite loss raises TrainingDiverged (its .step says when)."""
