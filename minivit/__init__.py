@@ -14,7 +14,7 @@ are imported the first time they are named, so ``import minivit`` stays quick.
 import importlib
 
 from . import _blas_env  # noqa: F401  (first: a setting NumPy's BLAS reads when NumPy is imported)
-from . import amp, backend, checkpoint, conv, convert, functional, gradcheck, layers, model, optim  # noqa: F401
+from . import amp, backend, checkpoint, conv, convert, functional, layers, model, optim  # noqa: F401
 from .backend import (asarray, backend_module, get_array_module, get_backend, gpu_available, set_backend,
                       to_numpy)
 from .checkpoint import load_model

@@ -186,7 +186,7 @@ def from_timm_checkpoint(state_dict, num_heads=None, img_size=None, gelu=None, n
     depth = 0
     while f"blocks.{depth}.norm1.weight" in sd:
         depth += 1
-    if depth == 0 or f"blocks.0.mlp.fc1.weight" not in sd:
+    if depth == 0 or "blocks.0.mlp.fc1.weight" not in sd:
         raise ValueError(f"{what} has no transformer blocks (blocks.0.norm1.weight, blocks.0.mlp.fc1.weight)")
     if num_heads is None:
         if D not in HEADS_BY_WIDTH:

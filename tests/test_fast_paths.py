@@ -363,10 +363,7 @@ def test_float32_model_stays_float32_and_matches_the_reference(reference):
         if fast:
             assert logits.dtype == dx.dtype == np.float32
             assert all(g.dtype == np.float32 for g in model.grads.values())
-            stack = [model]
-            while stack:
-                layer = stack.pop()
-                stack += list(layer.children.values())
+            for layer in model.sublayers():
                 cache = layer.cache if isinstance(layer.cache, tuple) else (layer.cache,)
                 for a in cache:
                     if isinstance(a, np.ndarray):

@@ -1,6 +1,5 @@
 """The trainer: outputs, exact resume, Ctrl-C, divergence, gradient accumulation, checkpoints, CLIs."""
 
-import dataclasses
 import json
 import os
 import signal
