@@ -207,6 +207,19 @@ def test_a_minivit_checkpoint_is_a_starting_point_too(tmp_path):
     assert new.config.num_classes == 2 and new.config.grid_size == (8, 8)
 
 
+def test_a_minivit_checkpoint_of_a_variant_loads_and_refuses_a_resize_it_cannot_do(tmp_path):
+    """The shapes a checkpoint must have come from model.param_shapes, which knows every option."""
+    checkpoint = pytest.importorskip("minivit.checkpoint")
+    config = tiny(stem="conv", stem_width=4, pos_embed="learned2d")
+    model = perturbed(config)
+    checkpoint.save_checkpoint(tmp_path / "hybrid.npz", model)
+    again = convert.from_pretrained(tmp_path / "hybrid.npz", dtype="float64")
+    assert again.config == config
+    same_params(again, model)
+    with pytest.raises(ValueError, match="pos_embed='learned'.*pos_embed='learned2d'"):
+        convert.from_pretrained(tmp_path / "hybrid.npz", img_size=32, dtype="float64")
+
+
 # --------------------------------------------------------------------------------------------------
 # Position embeddings for another resolution (paper §3.2)
 # --------------------------------------------------------------------------------------------------
