@@ -32,8 +32,9 @@ LEVELS = [
     ("conv",),                      # convolution pairs and layers, BasicBlock, the hybrid's ConvStem
     ("gradcheck",),                 # checks any layer's backward against central differences
     ("model",),                     # ViTConfig, param_shapes, flops, Classifier, ViT, trace, presets
-    ("resnet",),                    # the CNN baseline: a Classifier, as the ViT
+    ("resnet", "clip"),             # models built on the ViT's parts: the CNN baseline, CLIP (branch clip)
     ("optim", "augment", "data", "download"),  # what training uses beside the model
+    ("captions",),                  # captioned images for CLIP, built on data (branch clip)
     ("checkpoint",),                # the trainer's .npz files: a model and its optimizer
     ("convert",),                   # published checkpoints (timm, JAX) and from_pretrained: above the model
     ("viz", "plot"),                # pictures: attention maps and patches, training curves
