@@ -14,8 +14,7 @@ $(VENV)/.installed: requirements.txt pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements.txt
 	$(PY) -m pip install -q --no-deps -e .
-	# the lessons' kernel starts with OpenBLAS's idle threads asleep, as `import minivit` first would (minivit/_blas_env.py)
-	$(PY) -m ipykernel install --sys-prefix --name python3 --env OPENBLAS_THREAD_TIMEOUT 10 >/dev/null
+	$(PY) -m ipykernel install --sys-prefix --name python3 >/dev/null
 	touch $@
 
 ## make test: set up .venv (first time), check the code with ruff (pyproject.toml), run the whole test suite on the CPU

@@ -69,9 +69,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # minivit from this checkout, without installing it
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import minivit  # noqa: E402  (before NumPy: it sets OpenBLAS's idle threads to sleep, minivit/_blas_env.py)
 import numpy as np  # noqa: E402
-from minivit import backend, convert, kernels  # noqa: E402
+import minivit  # noqa: E402
+from minivit import backend, convert, kernels, ops  # noqa: E402
 from minivit.amp import LossScaler  # noqa: E402
 from minivit.optim import AdamW  # noqa: E402
 
@@ -197,7 +197,7 @@ def machine_info(torch):
         minivit_revision=git_revision(), blas=info, blas_read_with=blas_how,
         torch_threads=torch.get_num_threads(), minivit_kernel_threads=kernels.num_threads(),
         minivit_attention_threads=kernels._attention_workers(),
-        fast_kernels=backend.fast_kernels_enabled(),
+        fast_kernels=ops.fast_kernels_enabled(),
         env={k: v for k, v in os.environ.items()
              if k.startswith(("OPENBLAS", "OMP_", "MKL_", "MINIVIT_", "NUMBA_", "CUPY_", "NVIDIA_TF32", "GOTO",
                               "BLIS"))},

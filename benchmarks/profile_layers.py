@@ -25,9 +25,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: minivit without installing
 
-import minivit  # noqa: E402  (before NumPy: see minivit/_blas_env.py)
 import numpy as np  # noqa: E402
-from minivit import backend  # noqa: E402
+import minivit  # noqa: E402
+from minivit import backend, ops  # noqa: E402
 
 CLOCK = time.perf_counter  # wall clock; --clock process switches to the CPU time (one thread only)
 
@@ -182,7 +182,7 @@ def main(argv=None):
     global CLOCK
     CLOCK = time.process_time if args.clock == "process" else time.perf_counter
     if args.reference:
-        backend.set_fast_kernels(False)
+        ops.set_fast_kernels(False)
     minivit.set_backend(args.backend)
     model = minivit.create_model(args.preset, dtype=args.dtype)
     c = model.config

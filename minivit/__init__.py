@@ -7,14 +7,14 @@
     model.zero_grad(); model.backward(dlogits)      # fills model.grads
 
 Every module is an attribute: ``minivit.layers``, ``minivit.convert``, ``minivit.optim``... The ones that
-take time to import (the trainer and its progress bar, the data sets, the pictures, the Numba kernels)
-are imported the first time they are named, so ``import minivit`` stays quick.
+only training, the data sets or the pictures need (tqdm, Pillow, matplotlib) are imported the first
+time they are named.
 """
 
 import importlib
 
 from . import _blas_env  # noqa: F401  (first: a setting NumPy's BLAS reads when NumPy is imported)
-from . import amp, backend, checkpoint, conv, convert, functional, layers, model, optim  # noqa: F401
+from . import amp, backend, checkpoint, conv, convert, functional, kernels, layers, model, ops, optim  # noqa: F401
 from .backend import (asarray, backend_module, get_array_module, get_backend, gpu_available, set_backend,
                       to_numpy)
 from .checkpoint import load_model
@@ -30,8 +30,8 @@ __all__ = ["asarray", "backend_module", "get_array_module", "get_backend", "gpu_
            "flops", "param_shapes", "presets", "trace", "load_model", "from_pretrained"]
 
 # Imported on first use: minivit.train (tqdm), .download (tqdm), .data, .viz and .plot (matplotlib inside),
-# .predict (Pillow inside), .kernels (Numba, ~0.3 s), .augment, .resnet.
-_LAZY = ("augment", "data", "download", "kernels", "plot", "predict", "resnet", "train", "viz")
+# .predict (Pillow inside), .augment, .resnet.
+_LAZY = ("augment", "data", "download", "plot", "predict", "resnet", "train", "viz")
 
 
 def __getattr__(name):

@@ -4,7 +4,8 @@ The recipe of Micikevicius et al., "Mixed Precision Training" (ICLR 2018), which
 GradScaler also follow. What changes:
 
 - ``model.set_matmul_dtype("float16")``: every Linear layer rounds its input and its weight to float16
-  for the product (functional.linear_forward), and its backward products run in float16 too. The Linear
+  for the product (kernels.linear_forward, the twin of functional.linear_forward that ops.py checks at
+  float16's tolerance), and its backward products run in float16 too. The Linear
   layers do almost all of a ViT's arithmetic (ViT-B/16: 96% of the FLOPs; attention's own N x N products
   the rest), and a GPU's tensor cores multiply float16 many times faster than float32. The sums inside
   each product are kept in float32 (cuBLAS does so, and so does NumPy's float16 loop), and the caches

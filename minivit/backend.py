@@ -117,7 +117,7 @@ def host_rng(seed):
 
 def erf(x):
     """The error function, elementwise, on x's own device (cupyx.scipy.special on the GPU, scipy.special
-    on the CPU). The float32 fast path of GELU has its own erf (minivit/kernels.py)."""
+    on the CPU)."""
     if _cupy is not None and isinstance(x, _cupy.ndarray):
         import cupyx.scipy.special
 
@@ -125,43 +125,6 @@ def erf(x):
     import scipy.special
 
     return scipy.special.erf(x)
-
-
-# The fast paths (minivit/kernels.py): the same math as functional.py, fused into one pass (Numba on the
-# CPU, CUDA kernels through CuPy on the GPU), for float32 arrays. float64 always runs the reference lines.
-_fast = None  # True | False; None until first asked (then read from MINIVIT_FAST_KERNELS, default on)
-
-
-def set_fast_kernels(enabled):
-    """Turn the float32 fast paths of minivit.kernels on (the default) or off (the reference code runs)."""
-    global _fast
-    if not isinstance(enabled, bool):
-        raise TypeError(f"set_fast_kernels takes True or False, got {enabled!r}")
-    _fast = enabled
-
-
-def fast_kernels_enabled():
-    """Whether the fast paths are on: set_fast_kernels, else MINIVIT_FAST_KERNELS (0 turns them off)."""
-    global _fast
-    if _fast is None:
-        value = os.environ.get("MINIVIT_FAST_KERNELS", "1").strip().lower()
-        if value not in ("0", "1", "", "false", "true", "off", "on"):
-            raise ValueError(f"MINIVIT_FAST_KERNELS must be 0 or 1, got {value!r}")
-        _fast = value not in ("0", "false", "off")
-    return _fast
-
-
-def fast_kernels(x):
-    """The module of fast paths (minivit.kernels) when x is a float32 array and they are on, else None
-    (also for a NumPy array when Numba is not installed). functional.py asks this at the top of each
-    pair that has a fast version."""
-    if getattr(x, "dtype", None) != numpy.float32 or not fast_kernels_enabled():
-        return None
-    from . import kernels
-
-    if not kernels.HAVE_NUMBA and isinstance(x, numpy.ndarray):
-        return None
-    return kernels
 
 
 def synchronize(x=None):

@@ -14,18 +14,17 @@ Letters used in every shape comment (the paper's and timm's names):
 
 No numpy import here: ``xp = get_array_module(x)`` is numpy or cupy, whichever x lives in.
 
-Fast paths. LayerNorm, GELU and softmax are a handful of elementwise passes each; for float32 arrays
-they run from minivit/kernels.py instead: the same math fused into one pass (a Numba loop on the CPU, a
-CUDA kernel on the GPU). Attention is fused too, on both: it keeps each row's log-sum-exp instead of
-the (B, nh, N, N) weights and recomputes them in the backward, as PyTorch's scaled_dot_product_attention
-does (``fast = fast_kernels(x)`` at the top of those pairs; tests/test_fast_paths.py checks them against
-the lines here). float64, and everything with ``minivit.backend.set_fast_kernels(False)``, runs the
-lines written here.
+This file is the definition: the math, and nothing that is there only for speed, except a few small
+tricks for speed or memory (one 2-D product over all rows, an in-place update), each with its reason in a
+comment. Some pairs have a fast twin in minivit/kernels.py (the same math fused into one pass, for
+float32). minivit/ops.py, the one place that chooses between the two, uses a twin only after checking,
+in the running process, that it agrees with the pair written here. So an edit you make here is what
+runs (in float32 too, slower), and ops tells you once which op it then took from this file.
 """
 
 import math
 
-from .backend import erf, fast_kernels, get_array_module
+from .backend import erf, get_array_module
 
 # --------------------------------------------------------------------------------------------------
 # Patches (paper Eq. 1: x in R^{H x W x C} -> x_p in R^{N x (P^2 C)})
@@ -64,45 +63,26 @@ def patch2im(patches, patch_size, img_size):
 # --------------------------------------------------------------------------------------------------
 
 
-def linear_forward(x, weight, bias=None, matmul_dtype=None):
-    """y = x @ W + b.  x: (..., in), weight: (in, out), bias: (out,) or None. Returns y (..., out).
-    All leading axes are folded into one, so each product is a single 2-D matrix multiply (one BLAS call):
-    NumPy runs a stacked (B, N, in) @ (in, out) as B small products, 10x slower or more.
-    matmul_dtype="float16": mixed precision (minivit/amp.py). x and W are rounded to float16 for the
-    product (sums kept in float32 by cuBLAS and by NumPy), y comes back in x's dtype, and the cache holds
-    the float16 copies: half the bytes."""
+def linear_forward(x, weight, bias=None):
+    """y = x @ W + b.  x: (..., in), weight: (in, out), bias: (out,) or None. Returns y (..., out) and the
+    cache (x as rows, W). The leading axes are folded into one, so the product is a single 2-D matrix
+    multiply: NumPy would run a stacked (B, N, in) @ (in, out) as B small products, 10x slower or more."""
     d_in, d_out = weight.shape
     x2 = x.reshape(-1, d_in)                                  # (rows, in), rows = all leading axes
-    if matmul_dtype is None:
-        y = x2 @ weight                                       # (rows, out)
-    else:
-        x2, weight = x2.astype(matmul_dtype), weight.astype(matmul_dtype)  # rounded once, kept for backward
-        y = (x2 @ weight).astype(x.dtype)                     # (rows, out), float16 product -> float32
+    y = x2 @ weight                                           # (rows, out)
     if bias is not None:
-        y += bias                                             # in place: no second (rows, out) array
+        y += bias                                             # (rows, out), in place: no second array
     return y.reshape(*x.shape[:-1], d_out), (x2, weight)      # (..., out)
 
 
 def linear_backward(dout, cache):
-    """dx = dout W^T, dW = x^T dout (summed over every leading axis), db = sum of dout.
-    Mixed precision (the cache in float16): the two products in float16 too, their results in dout's dtype."""
+    """dx = dout W^T, dW = x^T dout (summed over every row: all leading axes), db = sum of dout over rows."""
     x2, weight = cache
     d_in, d_out = weight.shape
     dout2 = dout.reshape(-1, d_out)                           # (rows, out)
-    dbias = dout2.sum(0)                                      # (out,)  in dout's dtype, before any rounding
-    mixed = x2.dtype != dout.dtype
-    if mixed:
-        dout2 = dout2.astype(x2.dtype)                        # (rows, out) float16: why the loss is scaled
     dx = dout2 @ weight.T                                     # (rows, in)
-    # dW = x^T dout, summed over all rows: a long inner dimension. Given as the product whose first
-    # side is the longer of in and out (the transpose of a product is free: a view): OpenBLAS's threads
-    # handle (short side, long inner) products badly, 3-10x slower when the cores are shared.
-    if d_in >= d_out:
-        dweight = x2.T @ dout2                                # (in, out)
-    else:
-        dweight = (dout2.T @ x2).T                            # (in, out), computed as (dout^T x)^T
-    if mixed:
-        dx, dweight = dx.astype(dout.dtype), dweight.astype(dout.dtype)
+    dweight = x2.T @ dout2                                    # (in, out)
+    dbias = dout2.sum(0)                                      # (out,)
     return dx.reshape(*dout.shape[:-1], d_in), dweight, dbias  # (..., in)
 
 
@@ -114,9 +94,6 @@ def linear_backward(dout, cache):
 def layernorm_forward(x, weight, bias, eps=1e-6):
     """out = (x - mean) / sqrt(var + eps) * weight + bias, over the last axis.
     x: (..., D); weight, bias: (D,). Returns out (..., D) and the cache for backward."""
-    fast = fast_kernels(x)
-    if fast:                                                  # float32: the same, fused (kernels.py)
-        return fast.layernorm_forward(x, weight, bias, eps)
     xp = get_array_module(x)
     mean = x.mean(-1, keepdims=True)                          # (..., 1)
     xc = x - mean                                             # (..., D)
@@ -128,9 +105,6 @@ def layernorm_forward(x, weight, bias, eps=1e-6):
 
 def layernorm_backward(dout, cache):
     """dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)), with dxhat = dout * weight."""
-    fast = fast_kernels(dout)
-    if fast:
-        return fast.layernorm_backward(dout, cache)
     xhat, rstd, weight = cache
     D = xhat.shape[-1]
     dweight = (dout * xhat).reshape(-1, D).sum(0)             # (D,)
@@ -160,9 +134,6 @@ def gelu_forward(x, approximate="erf"):
     Phi(x) (or t) again rather than keeping a second array of x's size, as PyTorch does."""
     if approximate not in GELU_KINDS:
         raise ValueError(f"GELU approximate must be one of {GELU_KINDS}, got {approximate!r}")
-    fast = fast_kernels(x)
-    if fast:                                                  # float32: the same, fused (kernels.py)
-        return fast.gelu_forward(x, approximate)
     xp = get_array_module(x)
     if approximate == "erf":
         cdf = 0.5 * (1.0 + erf(x / _SQRT_2))                  # Phi(x)
@@ -174,9 +145,6 @@ def gelu_forward(x, approximate="erf"):
 def gelu_backward(dout, cache):
     """erf:  d gelu / dx = Phi(x) + x phi(x), phi(x) = exp(-x^2/2) / sqrt(2 pi)
     tanh: d gelu / dx = 0.5 (1 + t) + 0.5 x (1 - t^2) sqrt(2/pi) (1 + 3 * 0.044715 x^2)"""
-    fast = fast_kernels(dout)
-    if fast:
-        return fast.gelu_backward(dout, cache)
     x, approximate = cache
     xp = get_array_module(x)
     if approximate == "erf":
@@ -196,9 +164,6 @@ def gelu_backward(dout, cache):
 def softmax_forward(x):
     """softmax(x)_j = exp(x_j - max x) / sum_k exp(x_k - max x), over the last axis.
     Subtracting the max changes nothing mathematically and keeps exp from overflowing."""
-    fast = fast_kernels(x)
-    if fast:                                                  # float32: the same, fused (kernels.py)
-        return fast.softmax_forward(x)
     xp = get_array_module(x)
     e = xp.exp(x - x.max(-1, keepdims=True))                  # (..., n)
     out = e / e.sum(-1, keepdims=True)                        # (..., n)
@@ -207,9 +172,6 @@ def softmax_forward(x):
 
 def softmax_backward(dout, cache):
     """The Jacobian of softmax is diag(s) - s s^T, so dx = s * (dout - sum_j dout_j s_j)."""
-    fast = fast_kernels(dout)
-    if fast:
-        return fast.softmax_backward(dout, cache)
     s = cache
     return s * (dout - (dout * s).sum(-1, keepdims=True))     # (..., n)
 
@@ -243,9 +205,6 @@ def merge_heads(dq, dk, dv):
 def attention_forward(qkv, num_heads):
     """Scaled dot-product attention of every head: softmax(q k^T / sqrt(hs)) v, heads concatenated.
     qkv: (B, N, 3D) from the packed projection. Returns out (B, N, D) and the cache."""
-    fast = fast_kernels(qkv)
-    if fast:                                                  # float32, CPU or GPU: fused, keeps no N x N
-        return fast.attention_forward(qkv, num_heads)         # array (kernels.py; the same numbers)
     B, N, D3 = qkv.shape
     D = D3 // 3
     q, k, v = split_heads(qkv, num_heads)                     # each (B, nh, N, hs)
@@ -259,9 +218,6 @@ def attention_forward(qkv, num_heads):
 
 def attention_backward(dout, cache):
     """Backward of attention_forward: dout (B, N, D) -> dqkv (B, N, 3D)."""
-    if len(cache) == 3:                                       # the fused forward's (qkv, lse, num_heads)
-        from . import kernels
-        return kernels.attention_backward(dout, cache)
     q, k, v, attn, scale = cache
     B, nh, N, hs = q.shape
     dctx = dout.reshape(B, N, nh, hs).transpose(0, 2, 1, 3)   # (B, nh, N, hs)
@@ -276,16 +232,9 @@ def attention_backward(dout, cache):
 
 
 def attention_weights(cache):
-    """The attention weights softmax(q k^T / sqrt(hs)), (B, nh, N, N), of the forward that made cache:
-    kept by the reference forward, recomputed for the fused one (which keeps only each row's log-sum-exp:
-    p_ij = exp(s_ij - lse_i))."""
-    if len(cache) == 5:
-        return cache[3]
-    qkv, lse, num_heads = cache
-    xp = get_array_module(qkv)
-    q, k, _ = split_heads(qkv, num_heads)                     # each (B, nh, N, hs)
-    scale = 1.0 / math.sqrt(q.shape[-1])
-    return xp.exp((q * scale) @ k.swapaxes(-1, -2) - lse[..., None])  # (B, nh, N, N)
+    """The attention weights softmax(q k^T / sqrt(hs)), (B, nh, N, N), kept in attention_forward's cache.
+    (ops.attention_weights also reads the cache of the fused kernel, which recomputes them.)"""
+    return cache[3]                                           # the cache is (q, k, v, attn, scale)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -391,3 +340,49 @@ def tanh_backward(dout, cache):
     """d tanh(x) / dx = 1 - tanh(x)^2, read from the forward's output."""
     out = cache
     return dout * (1.0 - out * out)
+
+
+# --------------------------------------------------------------------------------------------------
+# The optimizers' update rules, one parameter at a time, in place (minivit/optim.py keeps their state:
+# the step count, the buffers, the hyperparameters). Glossary: p a parameter, g its gradient, lr the
+# learning rate, wd the weight decay, t the step number (1 for the first step).
+# --------------------------------------------------------------------------------------------------
+
+
+def sgd_update(p, g, momentum_buffer, lr, momentum, nesterov, weight_decay):
+    """SGD with momentum, as torch.optim.SGD (dampening 0), in place on p:
+        g_t = g + wd p;   b_t = g_t (first step), else mu b_{t-1} + g_t;   d_t = b_t, or g_t + mu b_t (nesterov)
+        p  <- p - lr d_t                          (d_t = g_t when mu = 0: no buffer)
+    p, g: any shape; momentum_buffer: p's shape, or None before the first step.
+    Returns the momentum buffer (updated in place, or new on the first step; None when mu = 0)."""
+    if weight_decay != 0:
+        g = g + weight_decay * p                              # g_t: a new array, the gradient stays as it was
+    if momentum != 0:
+        if momentum_buffer is None:
+            momentum_buffer = g.copy()                        # b_1 = g_1
+        else:
+            momentum_buffer *= momentum
+            momentum_buffer += g                              # b_t = mu b_{t-1} + g_t
+        g = g + momentum * momentum_buffer if nesterov else momentum_buffer   # d_t
+    p -= lr * g                                               # p <- p - lr d_t
+    return momentum_buffer
+
+
+def adamw_update(p, g, m, v, lr, beta1, beta2, eps, weight_decay, step):
+    """Adam with decoupled weight decay, as torch.optim.AdamW, in place on p, m and v:
+        p   <- p (1 - lr wd)                      (decay first, not through the gradient)
+        m_t  = b1 m_{t-1} + (1 - b1) g            (m_0 = v_0 = 0)
+        v_t  = b2 v_{t-1} + (1 - b2) g^2
+        p   <- p - lr / (1 - b1^t) * m_t / (sqrt(v_t) / sqrt(1 - b2^t) + eps)
+    p, g, m, v: the same shape; step: t, the number of this step (1 for the first)."""
+    xp = get_array_module(p)
+    bias_c1 = 1 - beta1 ** step                               # 1 - b1^t: m_t averages fewer than 1/(1-b1) steps yet
+    bias_c2 = 1 - beta2 ** step                               # 1 - b2^t
+    if weight_decay != 0:
+        p *= 1 - lr * weight_decay                            # p <- p (1 - lr wd)
+    m *= beta1
+    m += (1 - beta1) * g                                      # m_t = b1 m + (1 - b1) g
+    v *= beta2
+    v += (1 - beta2) * (g * g)                                # v_t = b2 v + (1 - b2) g^2
+    denom = xp.sqrt(v) / math.sqrt(bias_c2) + eps             # sqrt(v_t / (1 - b2^t)) + eps
+    p -= (lr / bias_c1) * (m / denom)                         # p <- p - lr m_hat / denom

@@ -1,10 +1,13 @@
 """Fast paths: the elementwise-heavy pairs of functional.py again, computing the same numbers faster.
 
 functional.py is the definition; this module only changes *how* the numbers are computed, and only for
-float32 arrays (float64 always runs the reference lines, so the float64 gradient and parity checks test
-the math as written). tests/test_fast_paths.py checks every function here against the reference to
-float32 tolerance. ``minivit.backend.set_fast_kernels(False)`` (or ``MINIVIT_FAST_KERNELS=0``) turns
-the fast paths off, e.g. to step through the reference code in a debugger.
+float32 arrays. Nothing here is called by a layer directly: minivit/ops.py chooses, per op, between a
+pair of functional.py and its twin here, and takes the twin only after checking on a probe input, in
+the running process, that it agrees with the pair as it stands (so a student's edit to functional.py
+runs, and is announced). float64 always runs functional.py, so the float64 gradient and parity checks
+test the math as written. tests/test_fast_paths.py checks every function here against the reference
+to float32 tolerance. ``minivit.ops.set_fast_kernels(False)`` (or ``MINIVIT_FAST_KERNELS=0``) turns
+them off, e.g. to step through the reference code in a debugger.
 
 Why the reference is slow: a line such as ``rstd * (dxhat - dxhat.mean(-1) - xhat * (dxhat * xhat).mean(-1))``
 is six passes over a (B, N, D) array, each allocating a new one and each on one core. On the GPU every
@@ -37,11 +40,11 @@ import types
 
 import numpy
 
-from ._blas_env import IDLE_BLAS_THREADS_SLEEP
+from . import _blas_env
 
 try:
     import numba
-except ImportError:  # the CPU fast paths are off (backend.fast_kernels returns None for NumPy arrays)
+except ImportError:  # the CPU fast paths are off (ops.py runs functional.py for NumPy arrays)
     numba = None
 
 HAVE_NUMBA = numba is not None
@@ -432,17 +435,60 @@ def _adamw(p, g, m, v, decay, b1, b2, one_minus_b1, one_minus_b2, step_size, inv
         p[i] = p[i] * decay - step_size * (m[i] / (math.sqrt(v[i]) * inv_sqrt_bc2 + eps))
 
 
-def cpu_adamw(*arrays):
-    """Whether adamw_update can take these arrays: float32 NumPy, C-contiguous."""
-    return all(isinstance(a, numpy.ndarray) and a.dtype == numpy.float32 and a.flags.c_contiguous
-               for a in arrays)
+def supports_adamw(*arrays):
+    """Whether adamw_update can take these arrays: float32 NumPy, C-contiguous (the GPU has none yet)."""
+    return HAVE_NUMBA and all(isinstance(a, numpy.ndarray) and a.dtype == numpy.float32 and a.flags.c_contiguous
+                              for a in arrays)
 
 
-def adamw_update(p, g, m, v, lr, b1, b2, eps, weight_decay, bias_c1, bias_c2):
-    """One AdamW step of one parameter, in place (p, m, v), as optim.AdamW.step's reference lines.
-    Every constant is worked out in float64 and rounded once (1 - b2 from a rounded b2 would be 1.3e-5 off)."""
+def adamw_update(p, g, m, v, lr, beta1, beta2, eps, weight_decay, step):
+    """As functional.adamw_update: one AdamW step of one parameter, in place (p, m, v). Every constant is
+    worked out in float64 and rounded once (1 - b2 from a rounded b2 would be 1.3e-5 off)."""
+    bias_c1, bias_c2 = 1 - beta1 ** step, 1 - beta2 ** step
     _adamw(p.reshape(-1), g.reshape(-1), m.reshape(-1), v.reshape(-1), f32(1.0 - lr * weight_decay),
-           f32(b1), f32(b2), f32(1.0 - b1), f32(1.0 - b2), f32(lr / bias_c1), f32(1.0 / math.sqrt(bias_c2)), f32(eps))
+           f32(beta1), f32(beta2), f32(1.0 - beta1), f32(1.0 - beta2), f32(lr / bias_c1),
+           f32(1.0 / math.sqrt(bias_c2)), f32(eps))
+
+
+# ---- Linear: the same products as functional.linear_*, two speed choices ----------------------------
+# 1. dW = x^T dout is given to BLAS as the product whose first side is the longer of in and out (the
+#    transpose of a product is free: a view). OpenBLAS's threads handle (short side, long inner)
+#    products badly: 3-10x slower when the cores are shared.
+# 2. matmul_dtype="float16", mixed precision (minivit/amp.py): x and W are rounded to float16 for the
+#    product (sums kept in float32 by cuBLAS and by NumPy), y comes back in x's dtype, and the cache
+#    holds the float16 copies: half the bytes. The backward's two products run in float16 too.
+
+def linear_forward(x, weight, bias=None, matmul_dtype=None):
+    """As functional.linear_forward: (y, (x2, weight)); with matmul_dtype the cache holds float16 copies."""
+    d_in, d_out = weight.shape
+    x2 = x.reshape(-1, d_in)                                  # (rows, in)
+    if matmul_dtype is None:
+        y = x2 @ weight                                       # (rows, out)
+    else:
+        x2, weight = x2.astype(matmul_dtype), weight.astype(matmul_dtype)  # rounded once, kept for backward
+        y = (x2 @ weight).astype(x.dtype)                     # (rows, out), float16 product -> float32
+    if bias is not None:
+        y += bias
+    return y.reshape(*x.shape[:-1], d_out), (x2, weight)      # (..., out)
+
+
+def linear_backward(dout, cache):
+    """As functional.linear_backward: (dx, dweight, dbias), in dout's dtype."""
+    x2, weight = cache
+    d_in, d_out = weight.shape
+    dout2 = dout.reshape(-1, d_out)                           # (rows, out)
+    dbias = dout2.sum(0)                                      # (out,) in dout's dtype, before any rounding
+    mixed = x2.dtype != dout.dtype
+    if mixed:
+        dout2 = dout2.astype(x2.dtype)                        # (rows, out) float16: why the loss is scaled
+    dx = dout2 @ weight.T                                     # (rows, in)
+    if d_in >= d_out:
+        dweight = x2.T @ dout2                                # (in, out)
+    else:
+        dweight = (dout2.T @ x2).T                            # (in, out), computed as (dout^T x)^T
+    if mixed:
+        dx, dweight = dx.astype(dout.dtype), dweight.astype(dout.dtype)
+    return dx.reshape(*dout.shape[:-1], d_in), dweight, dbias  # (..., in)
 
 
 # ==================================================================================================
@@ -704,8 +750,8 @@ def _gpu_softmax_lse_bwd(s, dp, lse, scale):
 # the cores (it tries, and mostly waits). So the chunks are shared instead: num_threads() Python threads
 # each take whole chunks, with BLAS set to one thread meanwhile (threadpoolctl); NumPy's matmul and the
 # Numba kernels (nogil) release the GIL, so the threads really run at once. This needs OpenBLAS's own
-# idle threads to sleep rather than spin (minivit/_blas_env.py): otherwise they hold the cores and the
-# threads gain nothing. Measured on 2 cores, CIFAR model, batch 64: a training step 395 -> 345 ms.
+# idle threads to sleep rather than spin (minivit/_blas_env.py, which sees to it whatever the import
+# order): otherwise they hold the cores and the threads gain nothing. Measured on 2 cores, CIFAR model, batch 64: a training step 395 -> 345 ms.
 # Tried and dropped: the per-head products as Numba loops (2.2x slower than BLAS).
 #
 # GPU: the chunks only bound the memory the scores take (ViT-B/16 at batch 128: 238 MB, one chunk). The
@@ -728,11 +774,15 @@ _blas_control = None
 
 
 def _attention_workers():
-    """How many threads share attention's chunks."""
+    """How many threads share attention's chunks: num_threads() when OpenBLAS's idle threads sleep (set up
+    now if that was too late at import: minivit/_blas_env.py), else 1."""
+    n = num_threads()
+    if n == 1 or threadpoolctl is None:
+        return 1
     threaded = THREADED_ATTENTION
     if threaded is None:
-        threaded = IDLE_BLAS_THREADS_SLEEP
-    return num_threads() if threaded and threadpoolctl is not None else 1
+        threaded = _blas_env.idle_blas_threads_sleep()
+    return n if threaded else 1
 
 
 def _chunks(B, nh, N, itemsize, workers, chunk_bytes):
@@ -825,7 +875,7 @@ def _fused_attention_backward(dout, cache):
 
 
 # ==================================================================================================
-# The entry points, called by functional.py for float32 arrays: same arguments, same caches
+# The entry points, chosen by ops.py for float32 arrays: functional.py's arguments, the same caches
 # ==================================================================================================
 
 def gelu_forward(x, approximate="erf"):

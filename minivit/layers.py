@@ -9,9 +9,15 @@ The contract every layer keeps:
 - ``backward(dout)`` returns the gradient with respect to the input and ADDS the parameter gradients
   into ``self.grads`` (as PyTorch adds into ``.grad``). Call ``zero_grad()`` before each backward;
   two backwards without it accumulate, which is how gradient accumulation works.
+
+Each layer calls its pair of functional.py, the math. For linear, LayerNorm, GELU and attention it calls
+it through minivit/ops.py, which may run a faster twin from minivit/kernels.py instead, but only one it
+has checked against functional.py as it stands (so an edit there is what runs). Whatever you write in a
+layer's forward or backward here, or in a layer class of your own, is what runs.
 """
 
 from . import functional as F
+from . import ops
 from .backend import asarray, backend_module, backend_of, get_array_module, host_rng
 
 
@@ -132,12 +138,12 @@ class Linear(Layer):
         self.matmul_dtype = None  # "float16": mixed precision (set by model.set_matmul_dtype, minivit/amp.py)
 
     def forward(self, x):  # x: (..., in) -> (..., out)
-        y, cache = F.linear_forward(x, self.params["weight"], self.params.get("bias"), self.matmul_dtype)
+        y, cache = ops.linear_forward(x, self.params["weight"], self.params.get("bias"), self.matmul_dtype)
         self.cache = cache if self.training else None
         return y
 
     def backward(self, dout):  # dout: (..., out) -> dx: (..., in)
-        dx, dweight, dbias = F.linear_backward(dout, self._need_cache())
+        dx, dweight, dbias = ops.linear_backward(dout, self._need_cache())
         self.grads["weight"] += dweight
         if "bias" in self.grads:
             self.grads["bias"] += dbias
@@ -160,12 +166,12 @@ class LayerNorm(Layer):
         self.grads["bias"] = zeros((dim,), dtype)
 
     def forward(self, x):  # (..., D) -> (..., D)
-        out, cache = F.layernorm_forward(x, self.params["weight"], self.params["bias"], self.eps)
+        out, cache = ops.layernorm_forward(x, self.params["weight"], self.params["bias"], self.eps)
         self.cache = cache if self.training else None
         return out
 
     def backward(self, dout):
-        dx, dweight, dbias = F.layernorm_backward(dout, self._need_cache())
+        dx, dweight, dbias = ops.layernorm_backward(dout, self._need_cache())
         self.grads["weight"] += dweight
         self.grads["bias"] += dbias
         return dx
@@ -189,12 +195,12 @@ class GELU(Layer):
         self.approximate = approximate
 
     def forward(self, x):
-        out, cache = F.gelu_forward(x, self.approximate)
+        out, cache = ops.gelu_forward(x, self.approximate)
         self.cache = cache if self.training else None
         return out
 
     def backward(self, dout):
-        return F.gelu_backward(dout, self._need_cache())
+        return ops.gelu_backward(dout, self._need_cache())
 
     def extra_repr(self):
         return repr(self.approximate)
@@ -272,19 +278,19 @@ class Attention(Layer):
 
     def forward(self, x):                                            # (B, N, D)
         qkv = self.qkv.forward(x)                                    # (B, N, 3D)
-        ctx, cache = F.attention_forward(qkv, self.num_heads)        # (B, N, D)
+        ctx, cache = ops.attention_forward(qkv, self.num_heads)        # (B, N, D)
         self.cache = cache if self.training else None
         return self.drop.forward(self.proj.forward(ctx))             # (B, N, D)
 
     def backward(self, dout):                                        # (B, N, D)
         dctx = self.proj.backward(self.drop.backward(dout))          # (B, N, D)
-        dqkv = F.attention_backward(dctx, self._need_cache())        # (B, N, 3D)
+        dqkv = ops.attention_backward(dctx, self._need_cache())        # (B, N, 3D)
         return self.qkv.backward(dqkv)                               # (B, N, D)
 
     @property
     def attn(self):
         """The last forward's attention weights (B, nh, N, N), for plots (training mode only)."""
-        return None if self.cache is None else F.attention_weights(self.cache)
+        return None if self.cache is None else ops.attention_weights(self.cache)
 
     def extra_repr(self):
         return f"heads={self.num_heads}"

@@ -15,7 +15,9 @@ tests/test_optim.py checks to 1e-12 in float64. Glossary for the math in the com
 import math
 import numbers
 
-from .backend import asarray, backend_of, fast_kernels, get_array_module, to_numpy
+from . import functional as F
+from . import ops
+from .backend import asarray, backend_of, get_array_module, to_numpy
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -183,24 +185,12 @@ class SGD(Optimizer):
         """Update every parameter in place from its current gradient (gradients are not modified)."""
         params, grads = _params_and_grads(self.model)
         bufs = self.buffers["momentum_buffer"]
-        mu = self.momentum
         self.t += 1
         for name, p in params.items():
-            g = grads[name]
-            wd = self._decay(name)
-            if wd != 0:
-                g = g + wd * p  # g_t = g + wd p   (a new array: model.grads stays as it was)
-            if mu != 0:
-                if name not in bufs:
-                    bufs[name] = g.copy()  # b_1 = g_1
-                else:
-                    b = _like(bufs[name], p)
-                    b *= mu
-                    b += g  # b_t = mu b_{t-1} + g_t
-                    bufs[name] = b
-                b = bufs[name]
-                g = g + mu * b if self.nesterov else b  # d_t = g_t + mu b_t  (nesterov)  or  b_t
-            p -= self.lr * g  # p <- p - lr d_t
+            buf = _like(bufs[name], p) if name in bufs else None
+            buf = F.sgd_update(p, grads[name], buf, self.lr, self.momentum, self.nesterov, self._decay(name))
+            if buf is not None:
+                bufs[name] = buf                              # (the update rule: functional.sgd_update)
 
 
 class AdamW(Optimizer):
@@ -237,27 +227,13 @@ class AdamW(Optimizer):
         ms, vs = self.buffers["exp_avg"], self.buffers["exp_avg_sq"]
         b1, b2 = self.betas
         self.t += 1
-        bias_c1 = 1 - b1 ** self.t  # 1 - b1^t: m_t is an average of fewer than 1/(1-b1) steps so far
-        bias_c2 = 1 - b2 ** self.t  # 1 - b2^t
         for name, p in params.items():
-            g = grads[name]
             xp = get_array_module(p)
-            wd = self._decay(name)
-            m = _like(ms[name], p) if name in ms else xp.zeros_like(p)
-            v = _like(vs[name], p) if name in vs else xp.zeros_like(p)
+            m = _like(ms[name], p) if name in ms else xp.zeros_like(p)   # m_0 = 0
+            v = _like(vs[name], p) if name in vs else xp.zeros_like(p)   # v_0 = 0
             ms[name], vs[name] = m, v
-            fast = fast_kernels(p)
-            if fast and fast.cpu_adamw(p, g, m, v):  # float32 on the CPU: the lines below in one pass
-                fast.adamw_update(p, g, m, v, self.lr, b1, b2, self.eps, wd, bias_c1, bias_c2)
-                continue
-            if wd != 0:
-                p *= 1 - self.lr * wd  # p <- p (1 - lr wd)
-            m *= b1
-            m += (1 - b1) * g  # m_t = b1 m + (1 - b1) g
-            v *= b2
-            v += (1 - b2) * (g * g)  # v_t = b2 v + (1 - b2) g^2
-            denom = xp.sqrt(v) / math.sqrt(bias_c2) + self.eps  # sqrt(v_t / (1 - b2^t)) + eps
-            p -= (self.lr / bias_c1) * (m / denom)  # p <- p - lr m_hat / denom
+            # the update rule: functional.adamw_update (ops may run its one-pass twin, checked against it)
+            ops.adamw_update(p, grads[name], m, v, self.lr, b1, b2, self.eps, self._decay(name), self.t)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -36,7 +36,7 @@ import numpy
 from tqdm import tqdm
 
 from . import augment as A
-from . import backend
+from . import backend, ops
 from .amp import LossScaler
 from .checkpoint import load_checkpoint, restore_dropout_rngs, save_checkpoint
 from .data import DATASETS, load_dataset, resize_images
@@ -328,6 +328,20 @@ def evaluate(model, x_test, y_test, mean, std, dtype, batch_size=500):
     return total_loss / n, correct / n
 
 
+def announce_ops(model, optimizer, images, mean, std, dtype):
+    """Which ops will run from kernels.py and which from functional.py (minivit/ops.py), as lines to print.
+    One forward in eval mode on a couple of images (no caches kept, no dropout drawn, so the run itself is
+    unchanged) makes ops check every fast twin the model uses against functional.py as it stands now."""
+    was_training = model.training
+    try:
+        model.eval().forward(A.normalize(images, mean, std, dtype))
+    finally:
+        model.train(was_training)
+    if isinstance(optimizer, AdamW):
+        ops.uses_twin("adamw", next(iter(model.params.values())))
+    return ops.summary_lines()
+
+
 # --------------------------------------------------------------------------------------------------
 # The loop
 # --------------------------------------------------------------------------------------------------
@@ -488,6 +502,8 @@ def train(cfg, callback=None, model=None, data=None):
         save_checkpoint(ckpt_path, model, optimizer, extra)
 
     if cfg.verbose:
+        for line in announce_ops(model, optimizer, x_train[:2], data.mean, data.std, cfg.dtype):
+            print(line, flush=True)
         name = "a model given to train()" if given_model else (f"from {cfg.init}" if cfg.init else cfg.model)
         c = model.config
         shape = (f"D={c.embed_dim}, depth={c.depth}, patch={c.patch_size}, img={c.img_size}"

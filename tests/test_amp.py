@@ -16,7 +16,7 @@ import pytest
 
 import minivit
 import minivit.functional as F
-from minivit import amp
+from minivit import amp, kernels
 from minivit import train as T
 from minivit.train import TrainConfig, TrainingDiverged, train
 
@@ -62,11 +62,11 @@ def test_linear_in_float16_rounds_the_product_inputs_and_keeps_float16_in_its_ca
     x = rng.standard_normal((4, 7, 24))
     w, b, dout = rng.standard_normal((24, 12)) * 0.2, rng.standard_normal(12), rng.standard_normal((4, 7, 12))
     xs, ws, bs, ds = (minivit.asarray(a, dtype="float32") for a in (x, w, b, dout))
-    y, cache = F.linear_forward(xs, ws, bs, matmul_dtype="float16")
+    y, cache = kernels.linear_forward(xs, ws, bs, matmul_dtype="float16")   # the mixed twin
     assert y.dtype == np.float32 and y.shape == (4, 7, 12)
     assert cache[0].dtype == np.float16 and cache[1].dtype == np.float16      # half the bytes of float32
     assert cache[0].nbytes == xs.nbytes // 2
-    dx, dweight, dbias = F.linear_backward(ds, cache)
+    dx, dweight, dbias = kernels.linear_backward(ds, cache)
     assert dx.dtype == dweight.dtype == dbias.dtype == np.float32
     # the exact answer for the float16-rounded inputs, computed in float64
     x16, w16 = x.astype(np.float16).astype(np.float64), w.astype(np.float16).astype(np.float64)

@@ -13,7 +13,6 @@ import json
 import os
 import re
 import shutil
-import sys
 import time
 from pathlib import Path
 
@@ -112,13 +111,3 @@ def test_notebook_runs_top_to_bottom_in_quick_mode(name, workdir, monkeypatch):
     figures = sum("image/png" in o.get("data", {}) for c in nb.cells if c.cell_type == "code" for o in c.outputs)
     assert figures >= 1, f"{name} drew no figure"
     assert (NOTEBOOKS / name).read_bytes() == committed, "running a lesson must not touch the committed notebook"
-
-
-def test_the_lessons_kernel_lets_openblas_threads_sleep():
-    """A notebook imports NumPy before minivit, too late for minivit/_blas_env.py to set OpenBLAS's idle
-    threads asleep; `make test` / `make lab` install the kernel with the variable in its environment."""
-    kernelspec = pytest.importorskip("jupyter_client.kernelspec")
-    spec = kernelspec.get_kernel_spec("python3")
-    if not Path(spec.resource_dir).resolve().is_relative_to(Path(sys.prefix).resolve()):
-        pytest.skip(f"the python3 kernel here is not this environment's own ({spec.resource_dir})")
-    assert spec.env.get("OPENBLAS_THREAD_TIMEOUT") == "10", spec.env

@@ -43,12 +43,6 @@ LEVELS = [
 LEVEL = {name: i for i, names in enumerate(LEVELS) for name in names}
 PACKAGE_LEVEL = len(LEVELS)         # ``import minivit`` from inside it: the package imports everything
 
-# Known upward imports, each to go when its cause does (the test also fails when one is no longer there).
-ALLOWED = {
-    ("backend", "kernels"),         # removed by issue 12's ops.py: backend.fast_kernels imports kernels
-    ("functional", "kernels"),      # removed by issue 12's ops.py: functional's fast-path dispatch
-}
-
 
 def minivit_imports(path):
     """(line, module) for every import of a minivit module in the file: `from . import x`, `from .x import y`,
@@ -87,7 +81,7 @@ def test_every_module_has_a_level():
 
 
 def test_imports_run_one_way():
-    upward, used_allowances = [], set()
+    upward = []
     for path in modules():
         here = path.stem
         for line, there in minivit_imports(path):
@@ -95,14 +89,9 @@ def test_imports_run_one_way():
             if level is None:
                 upward.append(f"minivit/{path.name}:{line} imports {there!r}, which is not in LEVELS")
             elif level >= LEVEL[here]:
-                if (here, there) in ALLOWED:
-                    used_allowances.add((here, there))
-                    continue
                 upward.append(f"minivit/{path.name}:{line}: {here} (level {LEVEL[here]}) imports {there} "
                               f"(level {level}), which is not below it")
     assert not upward, "imports that do not run one way:\n  " + "\n  ".join(upward)
-    stale = ALLOWED - used_allowances
-    assert not stale, f"{sorted(stale)} no longer happen: remove them from ALLOWED"
 
 
 def test_the_checker_sees_imports_inside_functions(tmp_path):
@@ -157,9 +146,10 @@ def test_each_name_the_readme_shows_resolves(dotted):
 
 
 def test_import_minivit_stays_light():
-    """`import minivit` loads none of what only training, data, pictures or the fast kernels need:
-    those come with minivit.train, minivit.viz, minivit.kernels..., the first time they are named."""
-    heavy = ("scipy", "matplotlib", "PIL", "tqdm", "numba")
+    """`import minivit` loads none of what only training, data sets or pictures need: those come with
+    minivit.train, minivit.data, minivit.viz..., the first time they are named. (Numba, and SciPy with it,
+    do load: layers -> ops -> kernels, since issue 12.)"""
+    heavy = ("matplotlib", "PIL", "tqdm")
     code = ("import sys, minivit; "
             f"print(' '.join(m for m in {heavy!r} if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)

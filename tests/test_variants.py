@@ -364,14 +364,15 @@ def test_forward_flops_count_every_matmul_and_convolution(monkeypatch, rng):
     experiments/common.py and benchmarks/bench.py use)."""
     from experiments import common
     from minivit import functional as F
+    from minivit import ops
 
     counted = []
     real_linear, real_conv = F.linear_forward, Cv.conv2d_forward
 
-    def linear(x, w, b=None, matmul_dtype=None):
+    def linear(x, w, b=None):
         d_in, d_out = w.shape
         counted.append(2 * (x.size // d_in) * d_in * d_out)            # 2 * rows * in * out
-        return real_linear(x, w, b, matmul_dtype)
+        return real_linear(x, w, b)
 
     def conv(x, w, b=None, stride=1, padding=0):
         out, cache = real_conv(x, w, b, stride, padding)
@@ -381,6 +382,7 @@ def test_forward_flops_count_every_matmul_and_convolution(monkeypatch, rng):
 
     monkeypatch.setattr(F, "linear_forward", linear)
     monkeypatch.setattr(Cv, "conv2d_forward", conv)
+    monkeypatch.setattr(ops, "fast_kernels_enabled", lambda: False)   # every product through functional.py
     x = minivit.asarray(rng.standard_normal((1, 16, 16, 3)), dtype="float32")
     resnet = ResNet(ResNetConfig(img_size=16, widths=(4, 8), depths=(2, 1), num_classes=5))
     counted.clear(); resnet.forward(x)                                                   # noqa: E702

@@ -1,0 +1,422 @@
+"""Which code runs each op: the math of functional.py, or the fast twin in kernels.py, once it is known to agree.
+
+functional.py defines every op and is written to be read and changed; kernels.py computes some of them
+faster, for float32 (one fused pass instead of several). This module is the one place that chooses, by
+the table below. A twin stands in for a pair only after it has been checked, in this process, against
+the pair as it is now: the first time an op runs for a backend and a shape, both run on a small probe
+input (seeded random values), and the twin is used from then on only if its output and every gradient
+agree with the pair's to float32 precision. So:
+
+- edit a pair in functional.py (or replace it: ``minivit.functional.gelu_forward = my_gelu``) and your
+  version is what runs, in float32 as in float64. One warning (FastPathDisagrees) names the op and by how
+  much the twin differed; ``report()`` lists what ran from where.
+- float64 always runs functional.py: the gradient checks and the parity tests see the math as written.
+- ``set_fast_kernels(False)`` (or the environment variable MINIVIT_FAST_KERNELS=0) runs functional.py
+  for every op, e.g. to step through it in a debugger.
+
+The functions are looked up on the modules at call time, and a verdict is kept per state of
+functional.py (every name it defines), so a pair replaced while the process runs is checked again.
+
+    op         functional.py (the math)                   kernels.py (float32)                probe keyed on
+    linear     linear_forward, linear_backward            dW in BLAS's better order;          float16 or not
+                                                          matmul_dtype="float16" (amp.py)
+    layernorm  layernorm_forward, layernorm_backward      one fused pass per row              D
+    gelu       gelu_forward, gelu_backward                one fused pass                      erf | tanh
+    softmax    softmax_forward, softmax_backward          one fused pass per row              row length
+    attention  attention_forward, attention_backward      chunks, log-sum-exp kept, not N x N N, D, heads
+    adamw      adamw_update                               one pass per parameter (CPU)        -
+
+Layers call these functions for the ops above, and functional.py directly for the others (patches,
+dropout, tanh, the loss): those have no twin.
+"""
+
+import math
+import os
+import time
+import warnings
+
+import numpy  # the probes' inputs are drawn on the host, then moved to the backend under test
+
+from . import functional as F
+from . import kernels
+from .backend import asarray, backend_of, get_array_module, to_numpy
+
+# --------------------------------------------------------------------------------------------------
+# On or off
+# --------------------------------------------------------------------------------------------------
+
+_enabled = None  # True | False; None until first asked (then read from MINIVIT_FAST_KERNELS, default on)
+
+
+def set_fast_kernels(enabled):
+    """Let checked fast twins run (True, the default), or run functional.py for every op (False)."""
+    global _enabled
+    if not isinstance(enabled, bool):
+        raise TypeError(f"set_fast_kernels takes True or False, got {enabled!r}")
+    _enabled = enabled
+
+
+def fast_kernels_enabled():
+    """set_fast_kernels's choice, else MINIVIT_FAST_KERNELS (0 turns the twins off)."""
+    global _enabled
+    if _enabled is None:
+        value = os.environ.get("MINIVIT_FAST_KERNELS", "1").strip().lower()
+        if value not in ("0", "1", "", "false", "true", "off", "on"):
+            raise ValueError(f"MINIVIT_FAST_KERNELS must be 0 or 1, got {value!r}")
+        _enabled = value not in ("0", "false", "off")
+    return _enabled
+
+
+# --------------------------------------------------------------------------------------------------
+# The verdicts: one per (op, backend, probe key, state of functional.py)
+# --------------------------------------------------------------------------------------------------
+
+TOLERANCE = 1e-4          # float32: the twins differ from the pairs by ~1e-6 of the largest value
+TOLERANCE_FLOAT16 = 1e-2  # the mixed-precision Linear rounds its inputs to float16 (2^-11 relative)
+
+
+class FastPathDisagrees(UserWarning):
+    """A fast twin in kernels.py disagrees with the pair in functional.py, so the pair runs instead."""
+
+
+class Verdict:
+    """What the probe of one op found: whether the twin runs (``fast``), the largest difference of each
+    compared output relative to its largest value, why, and the probe's cost."""
+
+    def __init__(self, op, backend, key, fast, differences, reason, seconds):
+        self.op, self.backend, self.key, self.fast = op, backend, key, fast
+        self.differences, self.reason, self.seconds = differences, reason, seconds
+        self.calls = 0
+
+    @property
+    def source(self):
+        return "kernels.py" if self.fast else "functional.py"
+
+    def __repr__(self):
+        return f"Verdict({self.op}, {self.backend}, {self.key}: {self.source}, {self.reason})"
+
+
+_verdicts = {}   # (op, backend, key, functional.py's state, the twins) -> Verdict
+_held = []       # every state seen, kept alive so that the ids in the keys are never reused
+_plain = {}      # (op, backend, dtype, why) -> calls that ran functional.py without a probe
+
+
+def _functional_state():
+    """Identifies what functional.py holds now: the ids of everything it defines (a replaced or reloaded
+    function gets a new id)."""
+    values = tuple(vars(F).values())
+    state = tuple(map(id, values))
+    if state not in _seen_states:
+        _seen_states.add(state)
+        _held.append(values)
+    return state
+
+
+_seen_states = set()
+
+
+def _plain_run(op, x, why):
+    key = (op, backend_of(x), str(x.dtype), why)
+    _plain[key] = _plain.get(key, 0) + 1
+    return False
+
+
+def uses_twin(op, x, key=()):
+    """Whether op's twin in kernels.py runs for array x (key: the probe's key, see the table above).
+    The first time for a backend, key and state of functional.py, this probes it."""
+    if x.dtype != numpy.float32:
+        return _plain_run(op, x, f"{x.dtype}: always the math as written")
+    if not fast_kernels_enabled():
+        return _plain_run(op, x, "fast kernels off (set_fast_kernels / MINIVIT_FAST_KERNELS)")
+    if backend_of(x) == "numpy" and not kernels.HAVE_NUMBA:
+        return _plain_run(op, x, "Numba is not installed")
+    return _verdict(op, x, key).fast
+
+
+def _verdict(op, x, key):
+    backend = backend_of(x)
+    twins = tuple(getattr(kernels, name) for name in _TWINS[op])   # a twin replaced is checked again too
+    full_key = (op, backend, key, _functional_state(), twins)
+    verdict = _verdicts.get(full_key)
+    if verdict is None:
+        verdict = _verdicts[full_key] = _probe(op, backend, key)
+    verdict.calls += 1
+    return verdict
+
+
+def _relative_difference(twin, pair):
+    """max |twin - pair| / max |pair|, on the host in float64 (inf for a NaN or a shape mismatch)."""
+    a = numpy.asarray(to_numpy(twin), dtype=numpy.float64)
+    b = numpy.asarray(to_numpy(pair), dtype=numpy.float64)
+    if a.shape != b.shape:
+        return float("inf")
+    if a.size == 0:
+        return 0.0
+    diff = float(numpy.abs(a - b).max()) / max(float(numpy.abs(b).max()), 1e-30)
+    return diff if diff == diff else float("inf")          # NaN -> inf: never "agrees"
+
+
+def _probe(op, backend, key):
+    """Run op's pair and twin on a probe input; the twin runs from now on only if everything agrees."""
+    start = time.perf_counter()
+    rng = numpy.random.default_rng(12345)
+
+    def on_device(a, dtype="float32"):
+        return asarray(a, dtype=dtype, backend=backend)
+
+    try:
+        outputs_pair = outputs_twin = None
+        outputs_pair = _PROBES[op](F, on_device, rng, key)
+        rng = numpy.random.default_rng(12345)                 # the same inputs for the twin
+        outputs_twin = _PROBES[op](kernels, on_device, rng, key)
+    except Exception as err:  # the student's pair (or a twin) fails on the probe: report it, run the pair
+        who = "functional" if outputs_pair is None else "kernels"
+        reason = f"could not be compared: {who}.py raised {type(err).__name__}({err}) on the probe input"
+        verdict = Verdict(op, backend, key, False, {}, reason, time.perf_counter() - start)
+        _warn(verdict)
+        return verdict
+    tol = TOLERANCE_FLOAT16 if key == ("float16",) else TOLERANCE
+    differences = {name: _relative_difference(outputs_twin[name], value) for name, value in outputs_pair.items()}
+    worst = max(differences, key=differences.get)
+    fast = differences[worst] <= tol
+    reason = (f"agrees to {differences[worst]:.1e}" if fast else
+              f"differs: {worst} by {100 * differences[worst]:.3g}% of its largest value (tolerance {tol:.0e})")
+    verdict = Verdict(op, backend, key, fast, differences, reason, time.perf_counter() - start)
+    if not fast:
+        _warn(verdict)
+    return verdict
+
+
+def _warn(verdict):
+    names = " / ".join(_TWINS[verdict.op])
+    warnings.warn(
+        f"minivit.ops: {verdict.op} now runs from functional.py ({names}), slower: its fast twin in kernels.py "
+        f"{verdict.reason} [{verdict.backend}, probe key {verdict.key}]. If you edited functional.py, this is your "
+        f"edit running, as it should. To run functional.py for every op and silence this: "
+        f"minivit.ops.set_fast_kernels(False) or MINIVIT_FAST_KERNELS=0.", FastPathDisagrees, stacklevel=5)
+
+
+# --------------------------------------------------------------------------------------------------
+# The probes: each runs one implementation (module = functional or kernels) forward and backward on
+# seeded random inputs and returns every output by name. Sizes: the real op's trailing sizes, batch 2.
+# --------------------------------------------------------------------------------------------------
+
+
+def _probe_linear(module, on_device, rng, key):
+    outputs = {}
+    mixed = {"matmul_dtype": "float16"} if key == ("float16",) and module is kernels else {}
+    for d_in, d_out in ((24, 16), (16, 24)):                 # both orders of kernels' dW product
+        x = on_device(rng.standard_normal((2, 5, d_in)))
+        w = on_device(rng.standard_normal((d_in, d_out)) * 0.3)
+        b = on_device(rng.standard_normal(d_out))
+        dout = on_device(rng.standard_normal((2, 5, d_out)))
+        y, cache = module.linear_forward(x, w, b, **mixed)
+        dx, dw, db = module.linear_backward(dout, cache)
+        outputs.update({f"y {d_in}->{d_out}": y, f"dx {d_in}->{d_out}": dx, f"dweight {d_in}->{d_out}": dw,
+                        f"dbias {d_in}->{d_out}": db})
+    return outputs
+
+
+def _probe_layernorm(module, on_device, rng, key):
+    (D,) = key
+    eps = 1e-5
+    x = on_device(rng.standard_normal((2, 3, D)) * 2 + 0.5)
+    w = on_device(1 + 0.3 * rng.standard_normal(D))
+    b = on_device(0.3 * rng.standard_normal(D))
+    dout = on_device(rng.standard_normal((2, 3, D)))
+    out, cache = module.layernorm_forward(x, w, b, eps)
+    dx, dw, db = module.layernorm_backward(dout, cache)
+    return {"out": out, "dx": dx, "dweight": dw, "dbias": db}
+
+
+def _probe_gelu(module, on_device, rng, key):
+    (approximate,) = key
+    x = on_device(numpy.concatenate([numpy.linspace(-6, 6, 97), 2 * rng.standard_normal(159)]).reshape(2, 128))
+    dout = on_device(rng.standard_normal((2, 128)))
+    out, cache = module.gelu_forward(x, approximate)
+    return {"out": out, "dx": module.gelu_backward(dout, cache)}
+
+
+def _probe_softmax(module, on_device, rng, key):
+    (n,) = key
+    x = on_device(3 * rng.standard_normal((2, 3, n)))
+    dout = on_device(rng.standard_normal((2, 3, n)))
+    out, cache = module.softmax_forward(x)
+    return {"out": out, "dx": module.softmax_backward(dout, cache)}
+
+
+def _probe_attention(module, on_device, rng, key):
+    N, D, num_heads = key
+    qkv = on_device(rng.standard_normal((2, N, 3 * D)))
+    dout = on_device(rng.standard_normal((2, N, D)))
+    out, cache = module.attention_forward(qkv, num_heads)
+    dqkv = module.attention_backward(dout, cache)
+    weights = attention_weights(cache) if module is kernels else F.attention_weights(cache)
+    return {"out": out, "dqkv": dqkv, "weights": weights}
+
+
+def _probe_adamw(module, on_device, rng, key):
+    p, g, m, v = (on_device(rng.standard_normal(1000)) for _ in range(4))
+    m, v = 0.1 * m, v * v                                     # v_t >= 0, as after any real step
+    module.adamw_update(p, g, m, v, 0.01, 0.9, 0.999, 1e-8, 0.1, 3)
+    return {"p": p, "exp_avg": m, "exp_avg_sq": v}
+
+
+_TWINS = {"linear": ("linear_forward", "linear_backward"), "layernorm": ("layernorm_forward", "layernorm_backward"),
+          "gelu": ("gelu_forward", "gelu_backward"), "softmax": ("softmax_forward", "softmax_backward"),
+          "attention": ("attention_forward", "attention_backward"), "adamw": ("adamw_update",)}
+_PROBES = {"linear": _probe_linear, "layernorm": _probe_layernorm, "gelu": _probe_gelu, "softmax": _probe_softmax,
+           "attention": _probe_attention, "adamw": _probe_adamw}
+
+
+# --------------------------------------------------------------------------------------------------
+# The ops: functional.py's signatures. Each asks uses_twin, then runs the twin or the pair.
+# --------------------------------------------------------------------------------------------------
+
+
+def linear_forward(x, weight, bias=None, matmul_dtype=None):
+    """functional.linear_forward. matmul_dtype="float16" asks for the mixed-precision twin (minivit/amp.py):
+    checked like the others, at float16's tolerance, and taken whatever set_fast_kernels says (you asked
+    for it); if it disagrees with functional.py, functional.py runs in float32."""
+    if matmul_dtype is not None:
+        if _verdict("linear", x, ("float16",)).fast:
+            return kernels.linear_forward(x, weight, bias, matmul_dtype)
+    elif uses_twin("linear", x):
+        return kernels.linear_forward(x, weight, bias)
+    return F.linear_forward(x, weight, bias)
+
+
+def linear_backward(dout, cache):
+    if cache[0].dtype != dout.dtype or uses_twin("linear", dout):   # a float16 cache: the mixed twin made it
+        return kernels.linear_backward(dout, cache)
+    return F.linear_backward(dout, cache)
+
+
+def layernorm_forward(x, weight, bias, eps=1e-6):
+    if uses_twin("layernorm", x, (x.shape[-1],)):
+        return kernels.layernorm_forward(x, weight, bias, eps)
+    return F.layernorm_forward(x, weight, bias, eps)
+
+
+def layernorm_backward(dout, cache):
+    if uses_twin("layernorm", dout, (dout.shape[-1],)):
+        return kernels.layernorm_backward(dout, cache)
+    return F.layernorm_backward(dout, cache)
+
+
+def gelu_forward(x, approximate="erf"):
+    if uses_twin("gelu", x, (approximate,)):
+        return kernels.gelu_forward(x, approximate)
+    return F.gelu_forward(x, approximate)
+
+
+def gelu_backward(dout, cache):
+    if uses_twin("gelu", dout, (cache[1],)):
+        return kernels.gelu_backward(dout, cache)
+    return F.gelu_backward(dout, cache)
+
+
+def softmax_forward(x):
+    if uses_twin("softmax", x, (x.shape[-1],)):
+        return kernels.softmax_forward(x)
+    return F.softmax_forward(x)
+
+
+def softmax_backward(dout, cache):
+    if uses_twin("softmax", dout, (dout.shape[-1],)):
+        return kernels.softmax_backward(dout, cache)
+    return F.softmax_backward(dout, cache)
+
+
+def attention_forward(qkv, num_heads):
+    B, N, D3 = qkv.shape
+    if uses_twin("attention", qkv, (N, D3 // 3, num_heads)):
+        return kernels.attention_forward(qkv, num_heads)     # cache: a kernels.AttentionCache
+    return F.attention_forward(qkv, num_heads)
+
+
+def attention_backward(dout, cache):
+    """The backward that matches the forward that made cache (the fused cache holds no weights)."""
+    if isinstance(cache, kernels.AttentionCache):
+        return kernels.attention_backward(dout, cache)
+    return F.attention_backward(dout, cache)
+
+
+def attention_weights(cache):
+    """The weights softmax(q k^T / sqrt(hs)), (B, nh, N, N), from either forward's cache: kept by
+    functional.attention_forward, recomputed from the fused one's log-sum-exp (p_ij = exp(s_ij - lse_i))."""
+    if not isinstance(cache, kernels.AttentionCache):
+        return F.attention_weights(cache)
+    qkv, lse, num_heads = cache
+    q, k, _ = F.split_heads(qkv, num_heads)                   # each (B, nh, N, hs)
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    xp = get_array_module(qkv)
+    return xp.exp((q * scale) @ k.swapaxes(-1, -2) - lse[..., None])   # (B, nh, N, N)
+
+
+def adamw_update(p, g, m, v, lr, beta1, beta2, eps, weight_decay, step):
+    """functional.adamw_update, or its one-pass twin for contiguous float32 NumPy arrays."""
+    if kernels.supports_adamw(p, g, m, v) and uses_twin("adamw", p, ()):
+        return kernels.adamw_update(p, g, m, v, lr, beta1, beta2, eps, weight_decay, step)
+    return F.adamw_update(p, g, m, v, lr, beta1, beta2, eps, weight_decay, step)
+
+
+# --------------------------------------------------------------------------------------------------
+# What ran from where
+# --------------------------------------------------------------------------------------------------
+
+
+class Report(list):
+    """Rows (op, backend, key, source, reason, calls, probe seconds); prints as a table."""
+
+    def __str__(self):
+        if not self:
+            return "no op has run yet"
+        lines = [f"{'op':<10} {'backend':<7} {'key':<18} {'runs from':<14} {'calls':>6} {'probe':>8}  why"]
+        for op, backend, key, source, reason, calls, seconds in self:
+            probe = "-" if seconds is None else f"{seconds * 1e3:.1f} ms"
+            lines.append(f"{op:<10} {backend:<7} {str(key):<18} {source:<14} {calls:>6} {probe:>8}  {reason}")
+        return "\n".join(lines)
+
+    __repr__ = __str__
+
+    def from_functional(self):
+        """The ops that ran (at least once) from functional.py."""
+        return sorted({row[0] for row in self if row[3] == "functional.py"})
+
+    def from_kernels(self):
+        return sorted({row[0] for row in self if row[3] == "kernels.py"})
+
+    @property
+    def probe_seconds(self):
+        return sum(row[6] or 0.0 for row in self)
+
+
+def report():
+    """Which op ran from where so far in this process, and why (a Report; print it)."""
+    rows = Report()
+    for v in _verdicts.values():
+        rows.append((v.op, v.backend, v.key, v.source, v.reason, v.calls, v.seconds))
+    for (op, backend, dtype, why), calls in _plain.items():
+        rows.append((op, backend, dtype, "functional.py", why, calls, None))
+    return rows
+
+
+def summary_lines():
+    """One or two lines for the start of a run: which ops came from kernels.py and which from functional.py."""
+    r = report()
+    lines = []
+    fast, plain = r.from_kernels(), r.from_functional()
+    if fast:
+        lines.append(f"ops from kernels.py (each checked against functional.py on a probe, "
+                     f"{r.probe_seconds * 1e3:.0f} ms in all): {', '.join(fast)}")
+    if plain:
+        why = sorted({row[4] for row in r if row[3] == "functional.py"})
+        lines.append(f"ops from functional.py: {', '.join(plain)} ({'; '.join(why)})")
+    return lines
+
+
+def reset():
+    """Forget every verdict (the next call of each op probes again). For tests and lessons."""
+    _verdicts.clear()
+    _plain.clear()
