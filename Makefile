@@ -17,8 +17,9 @@ $(VENV)/.installed: requirements.txt pyproject.toml
 	$(PY) -m ipykernel install --sys-prefix --name python3 >/dev/null
 	touch $@
 
-## make test: set up .venv (first time) and run the whole test suite on the CPU
+## make test: set up .venv (first time), check the code with ruff (pyproject.toml), run the whole test suite on the CPU
 test: $(VENV)/.installed
+	$(PY) -m ruff check .
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # The reference oracle (PyTorch + timm) lives in its own venv: never a runtime dependency.

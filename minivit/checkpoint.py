@@ -26,12 +26,9 @@ from .model import ViT, ViTConfig
 FORMAT = "minivit-checkpoint-1"
 
 
-def dropout_layers(layer, prefix=""):
-    """(name, Dropout) for every dropout/drop-path layer inside ``layer``, in a fixed order."""
-    found = [(prefix, layer)] if isinstance(layer, Dropout) else []
-    for name, child in layer.children.items():
-        found += dropout_layers(child, f"{prefix}.{name}" if prefix else name or "pos")
-    return found
+def dropout_layers(model):
+    """(name, Dropout) for every dropout/drop-path layer inside ``model``, in a fixed order."""
+    return [(name, layer) for name, layer in model.named_sublayers() if isinstance(layer, Dropout)]
 
 
 def _jsonable(value):

@@ -170,7 +170,7 @@ class TrainConfig:
     eval_batch_size: int = option(500, "images per forward pass of an evaluation")
     train_subset: int = option(None, "train on the first N training images only (quick runs, data-size studies)")
     # fine-tuning
-    init: str = option(None, "start from pretrained weights (.npz or .safetensors: ViT.from_pretrained)")
+    init: str = option(None, "start from pretrained weights (.npz or .safetensors: minivit.from_pretrained)")
     new_head: bool = option(True, "with --init: keep the checkpoint's head instead of a new zero-initialised one",
                             flag="--keep-head")
     init_gelu: str = option(None, "with --init: the GELU the checkpoint was trained with (default: its kind's own)",
@@ -363,8 +363,11 @@ def build_model(cfg, data, resumed=None):
     overrides.setdefault("img_size", (H, W))
     overrides.update(in_chans=C, num_classes=data.num_classes)
     if cfg.init:
-        return ViT.from_pretrained(cfg.init, num_classes=data.num_classes, img_size=overrides["img_size"],
-                                   gelu=cfg.init_gelu, seed=cfg.seed, dtype=cfg.dtype, new_head=cfg.new_head)
+        from .convert import from_pretrained
+
+        model = from_pretrained(cfg.init, num_classes=data.num_classes, img_size=overrides["img_size"],
+                                gelu=cfg.init_gelu, seed=cfg.seed, dtype=cfg.dtype, new_head=cfg.new_head)
+        return model
     return create_model(cfg.model, seed=cfg.seed, dtype=cfg.dtype, **overrides)
 
 
@@ -755,7 +758,7 @@ def train(cfg, callback=None, model=None, data=None):
     """Run training as cfg (a TrainConfig) says. Returns a TrainResult (model, history, summary, out).
 
     callback(record), if given, is called after each evaluation with its metrics dict. model: train this
-    model (a ViT, or any minivit Classifier such as conv.ResNet) instead of building cfg's. data: train on
+    model (a ViT, or any minivit Classifier such as resnet.ResNet) instead of building cfg's. data: train on
     this minivit.data.Dataset (e.g. a subset) instead of loading cfg.dataset. For experiments: max_steps
     without epochs runs exactly that many steps, num_evals evaluates that many times evenly spaced, and
     out=None writes no file. A NaN or infinite loss, validation loss or parameter raises TrainingDiverged
