@@ -25,7 +25,8 @@ functions (found in /proc/self/maps). minivit's Numba kernels (LayerNorm, GELU, 
 AdamW) use MINIVIT_NUM_THREADS (default: all cores); --threads sets it too.
 
 FLOPs and MFU. The FLOPs of a step are 3x those of the forward (the backward computes two products,
-dx and dW, for each one in the forward). The forward is counted from the config, multiply-add = 2 FLOPs:
+dx and dW, for each one in the forward). The forward is minivit.flops(config) (minivit/model.py), per
+image, multiply-add = 2 FLOPs:
     per image  2 * (N * P*P*C * D                       patch embedding, N patches
                     + depth * T * (3D*D + D*D + 2*D*M)  qkv, proj, fc1, fc2, T = N (+1) tokens
                     + D * K)                            head
@@ -223,15 +224,9 @@ def machine_info(torch):
 # FLOPs and the machine's matmul rate
 # ==================================================================================================
 
-def forward_flops_per_image(c):
-    """FLOPs of one image's forward, from the config (see the module docstring)."""
-    N, T, D, M, K = c.num_patches, c.seq_len, c.embed_dim, c.mlp_dim, c.num_classes
-    macs = N * c.patch_size ** 2 * c.in_chans * D + c.depth * T * (4 * D * D + 2 * D * M) + D * K
-    return 2 * macs + c.depth * 4 * T * T * D
-
-
 def step_flops(c, batch):
-    return 3 * forward_flops_per_image(c) * batch
+    """A training step's FLOPs: 3x the forward's, minivit.flops (see the module docstring)."""
+    return 3 * minivit.flops(c) * batch
 
 
 def facts_approx_step_flops(c, batch):
