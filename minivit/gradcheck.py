@@ -14,7 +14,8 @@ and the relative error of a whole array is ||analytic - numeric|| / (||analytic|
 about 1e-10 for a right backward in float64, 1e-2 or worse for a wrong one.
 """
 
-from .backend import get_array_module, host_rng, is_array, asarray, backend_of, to_numpy
+from .backend import asarray, backend_of, get_array_module, host_rng, is_array, to_numpy
+from .layers import Dropout, Layer
 
 
 class GradcheckReport:
@@ -63,13 +64,10 @@ def _relative_error(a, n):
 
 
 def _stochastic_parts(layer):
-    """Dropout layers with p > 0 anywhere inside ``layer`` (they make forward random)."""
-    found = []
-    if getattr(layer, "p", 0.0) and hasattr(layer, "rng"):
-        found.append(layer)
-    for child in getattr(layer, "children", {}).values():
-        found += _stochastic_parts(child)
-    return found
+    """Dropout layers with p > 0 anywhere inside ``layer`` (they make forward random); none inside an
+    object that is not a minivit Layer."""
+    parts = layer.sublayers() if isinstance(layer, Layer) else []
+    return [sub for sub in parts if isinstance(sub, Dropout) and sub.p > 0]
 
 
 def gradcheck(layer, x, dout=None, eps=1e-5, tol=1e-6, max_checks=200, seed=0, check_input=True, verbose=False,
