@@ -525,8 +525,14 @@ def check_labels(data):
 
 
 def non_finite_params(model):
-    """Names of the parameters holding a NaN or an infinity (one reduction per array)."""
-    return [name for name, p in model.params.items() if not bool(backend.get_array_module(p).isfinite(p).all())]
+    """Names of the parameters holding a NaN or an infinity. One reduction per array, stacked into one
+    vector, so that a device waits once however many parameters the model has."""
+    names, params = list(model.params), list(model.params.values())
+    if not params:
+        return []
+    xp = backend.get_array_module(params[0])
+    finite = backend.to_numpy(xp.stack([xp.isfinite(p).all() for p in params]))   # (num_arrays,) bool
+    return [name for name, ok in zip(names, finite) if not ok]
 
 
 # --------------------------------------------------------------------------------------------------

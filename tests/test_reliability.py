@@ -97,6 +97,17 @@ def test_a_diverged_run_keeps_the_last_finite_checkpoint_and_names_its_step(tmp_
     assert all(np.isfinite(p) for _, p in top)
 
 
+def test_non_finite_params_names_exactly_the_arrays_holding_nan_or_inf():
+    from minivit.train import non_finite_params
+
+    model = minivit.ViT(minivit.ViTConfig(img_size=8, patch_size=4, num_classes=3, embed_dim=8, depth=2,
+                                          num_heads=2), seed=0)
+    assert non_finite_params(model) == []
+    model.params["blocks.1.mlp.fc2.bias"][1] = np.inf
+    model.params["blocks.0.attn.qkv.weight"][0, 0] = np.nan
+    assert sorted(non_finite_params(model)) == ["blocks.0.attn.qkv.weight", "blocks.1.mlp.fc2.bias"]
+
+
 def test_non_finite_parameters_are_refused_by_name_by_load_model_predict_and_resume(tmp_path, data, capsys):
     run(tmp_path, data, max_steps=2, eval_every=2)
     path = tmp_path / "checkpoint.npz"
