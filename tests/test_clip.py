@@ -492,6 +492,7 @@ def test_vit_options_for_clip_count_names_and_checks(arr):
                                pre_norm=True, patch_bias=False, norm_eps=1e-5, head_bias=False, gelu="quick")
     model = minivit.ViT(config, dtype="float64")
     assert model.num_params() == config.num_params()
+    assert list(minivit.param_shapes(config).items()) == [(n, tuple(p.shape)) for n, p in model.params.items()]
     assert "norm_pre.weight" in model.params and "patch_embed.proj.bias" not in model.params
     assert "head.bias" not in model.params and model.blocks[0].mlp.act.approximate == "quick"
     assert [n for n, _ in model.stages()][:3] == ["patch_embed", "pos_embed", "norm_pre"]
