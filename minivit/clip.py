@@ -378,9 +378,10 @@ class CLIP(Layer):
     def backend(self):
         return backend_of(self.params["logit_scale"])
 
-    # the ViT's, unchanged: host NumPy copies under the model's names / a strict, all-or-nothing load
+    # the ViT's, unchanged: host NumPy copies under the model's names / a strict, all-or-nothing load /
     state_dict = ViT.state_dict
     load_state_dict = ViT.load_state_dict
+    set_matmul_dtype = ViT.set_matmul_dtype       # float16 products in every Linear (amp.py), or None
 
     @classmethod
     def from_open_clip(cls, state, vision_heads, text_heads, dtype="float32", quick_gelu=False):

@@ -82,6 +82,12 @@ RECIPES = {
     "finetune": dict(model="vit_base_patch16_224", img_size=384, epochs=None, max_steps=10000, batch_size=512,
                      lr=0.01, weight_decay=0.0, warmup_steps=500, label_smoothing=0.0, optimizer="sgd",
                      momentum=0.9, clip_grad=1.0, augment="standard"),
+    # CLIP (--task clip, minivit/clip_train.py) on the captioned shapes: about six minutes on two CPU cores
+    "clip-shapes": dict(task="clip", model="clip_shapes_tiny", epochs=20, batch_size=128, lr=2e-3, weight_decay=0.1,
+                        warmup_epochs=1, label_smoothing=0.0, optimizer="adamw", augment="none"),
+    # CLIP on Fashion-MNIST captioned from its class names and each image's shade
+    "clip-fashion": dict(task="clip", model="clip_shapes_tiny", epochs=3, batch_size=64, lr=2e-3, weight_decay=0.1,
+                         warmup_epochs=0.3, label_smoothing=0.0, optimizer="adamw", augment="none"),
 }
 
 
@@ -89,6 +95,8 @@ DEFAULT_RECIPE = {"cifar10": "fast", "fashion-mnist": "fashion-cpu", "shapes": "
 
 
 DEFAULT_RECIPE = {"cifar10": "fast", "fashion-mnist": "fashion-cpu", "shapes": "demo", "folder": "demo"}
+CLIP_RECIPE = {"shapes": "clip-shapes", "fashion-mnist": "clip-fashion"}   # --task clip's defaults
+TASKS = ("classify", "clip")            # clip: minivit/clip_train.py's batches, step and evaluation
 OPTIMIZERS = ("adamw", "sgd")
 PRECISIONS = ("float32", "float16")     # float16: mixed precision (minivit/amp.py)
 
@@ -115,6 +123,8 @@ class TrainConfig:
 
     # the data and the recipe
     dataset: str = option("cifar10", "the data set", DATASETS)
+    task: str = option(None, "classify: a ViT on labels; clip: CLIP on captions (minivit/clip_train.py; default: "
+                             "the recipe's, else classify)", TASKS)
     data_dir: str = option(None, "where the data set lives (cifar10: data/; folder: required)")
     recipe: str = option(None, "named defaults (see README; default: fast for cifar10, fashion-cpu for "
                                "fashion-mnist, demo for shapes and folder)", tuple(sorted(RECIPES)))
@@ -234,16 +244,27 @@ def resolve(cfg):
     if cfg.dataset not in DATASETS:
         raise ValueError(f"unknown dataset {cfg.dataset!r}; choose one of {DATASETS}")
     if cfg.recipe is None:
-        cfg = dataclasses.replace(cfg, recipe=DEFAULT_RECIPE[cfg.dataset])
+        default = CLIP_RECIPE if cfg.task == "clip" else DEFAULT_RECIPE
+        if cfg.dataset not in default:
+            raise ValueError(f"--task clip trains on a captioned data set: {tuple(default)}, got {cfg.dataset!r}")
+        cfg = dataclasses.replace(cfg, recipe=default[cfg.dataset])
     if cfg.recipe not in RECIPES:
         raise ValueError(f"unknown recipe {cfg.recipe!r}; choose one of {sorted(RECIPES)}")
+    recipe_task = RECIPES[cfg.recipe].get("task", "classify")
+    if cfg.task not in (None, recipe_task):
+        raise ValueError(f"recipe {cfg.recipe!r} is one of --task {recipe_task}, not --task {cfg.task}")
     values = dataclasses.asdict(cfg)
     steps_only = cfg.max_steps is not None and cfg.epochs is None   # max_steps alone: exactly that many
     for key, value in RECIPES[cfg.recipe].items():
         if values.get(key) is None and not (key == "epochs" and steps_only):
             values[key] = value
+    values["task"] = values["task"] or "classify"
     r = TrainConfig(**values)
-    if r.model not in presets:
+    if r.task == "clip":
+        from .clip_train import check_config
+
+        check_config(r)                            # the classifier's options refused by name, the CLIP preset
+    elif r.model not in presets:
         raise ValueError(f"unknown model preset {r.model!r}; choose one of {sorted(presets)}")
     _check_types_and_choices(r)
     if r.precision == "float16" and r.dtype != "float32":
@@ -352,6 +373,10 @@ def _move_aside_damaged_cifar10(root):
 def build_model(cfg, data, resumed=None):
     """The ViT for cfg and this data set: the preset, the overrides, and the data's channels and classes.
     resumed: a checkpoint to continue, whose saved config is used (its weights are loaded later)."""
+    if cfg.task == "clip":
+        from .clip_train import build_model as build_clip
+
+        return build_clip(cfg, data, resumed)
     if resumed is not None:
         try:
             config = ViTConfig.from_dict(resumed["meta"]["config"])
@@ -419,13 +444,15 @@ def evaluate(model, x_test, y_test, mean, std, dtype, batch_size=500):
     return total_loss / n, correct / n
 
 
-def announce_ops(model, optimizer, images, mean, std, dtype):
+def announce_ops(model, optimizer, images, mean, std, dtype, forward=True):
     """Which ops will run from kernels.py and which from functional.py (minivit/ops.py), as lines to print.
     One forward in eval mode on a couple of images (no caches kept, no dropout drawn, so the run itself is
-    unchanged) makes ops check every fast twin the model uses against functional.py as it stands now."""
+    unchanged) makes ops check every fast twin the model uses against functional.py as it stands now
+    (forward=False: the caller has run that forward, e.g. CLIPTask.announce_forward)."""
     was_training = model.training
     try:
-        model.eval().forward(A.normalize(images, mean, std, dtype))
+        if forward:
+            model.eval().forward(A.normalize(images, mean, std, dtype))
     finally:
         model.train(was_training)
     if isinstance(optimizer, AdamW):
@@ -752,6 +779,7 @@ class Run:
     total_steps: int
     eval_steps: set             # evaluate, record and save after these steps (and at a Ctrl-C or SIGTERM)
     given_model: bool = False   # a model passed to train(), not built from cfg
+    task: object = None         # --task clip: a clip_train.CLIPTask (batches, step, evaluation); None: classify
     x_train: object = None      # uint8 (N, H, W, C) on the backend
     y_train: object = None      # int64 (N,)
     x_test: object = None
@@ -830,8 +858,15 @@ def set_up(cfg, model=None, data=None):
     check_labels(data)
     run.x_train, run.y_train = (backend.asarray(a, backend=model.backend) for a in (data.x_train, data.y_train))
     run.x_test, run.y_test = (backend.asarray(a, backend=model.backend) for a in (data.x_test, data.y_test))
+    if cfg.task == "clip":
+        from .clip_train import CLIPTask
+
+        run.task = CLIPTask(run, None if resumed is None else CLIPTask.tokenizer_of(resumed))
     if cfg.verbose:
-        for line in announce_ops(model, run.optimizer, run.x_train[:2], data.mean, data.std, cfg.dtype):
+        if run.task is not None:
+            run.task.announce_forward()             # announce_ops' forward, on (image, caption) pairs
+        for line in announce_ops(model, run.optimizer, run.x_train[:2], data.mean, data.std, cfg.dtype,
+                                 forward=run.task is None):
             print(line, flush=True)
         print(f"training {model.num_params():,}-parameter {type(model).__name__} ({_describe(cfg, model, given_model)}) "
               f"on {data.name} ({data.x_train.shape[0]} images, {data.num_classes} classes) with "
@@ -843,10 +878,14 @@ def load_run_data(cfg, data=None):
     """cfg checked, then resolved for the data set it trains on; that data set (loaded unless given,
     downloaded or fallen back from as cfg allows), resized to cfg.img_size and cut to cfg.train_subset.
     An out that holds a run in the way is refused first, if its name is known before the data."""
-    resolve(cfg if data is None else dataclasses.replace(cfg, dataset=data.name))  # every setting checked now,
-    if cfg.out is not None and "{dataset}" not in cfg.out:                          # before anything slow runs
-        check_out(cfg)
-    if data is None:
+    first = resolve(cfg if data is None else dataclasses.replace(cfg, dataset=data.name))  # every setting
+    if cfg.out is not None and "{dataset}" not in cfg.out:                          # checked now, before
+        check_out(cfg)                                                              # anything slow runs
+    if data is None and first.task == "clip":
+        from .clip_train import load_data
+
+        data = load_data(first)                               # a captions.CaptionedDataset
+    elif data is None:
         data, cfg = prepare_data(cfg)
     else:
         cfg = dataclasses.replace(cfg, dataset=data.name)     # the recipe defaults follow the data given
@@ -861,7 +900,9 @@ def load_run_data(cfg, data=None):
         if cfg.train_subset > data.x_train.shape[0]:
             raise ValueError(f"train_subset {cfg.train_subset} is more than the {data.x_train.shape[0]} training "
                              f"images of {data.name}")
-        data = dataclasses.replace(data, x_train=data.x_train[:cfg.train_subset], y_train=data.y_train[:cfg.train_subset])
+        n = cfg.train_subset
+        data = dataclasses.replace(data, x_train=data.x_train[:n], y_train=data.y_train[:n],
+                                   **({"text_train": data.text_train[:n]} if hasattr(data, "text_train") else {}))
     if data.x_train.shape[0] < cfg.batch_size:
         raise ValueError(f"batch_size {cfg.batch_size} is larger than the {data.x_train.shape[0]} training images")
     return cfg, data
@@ -890,10 +931,14 @@ def run_loop(run, callback=None):
         try:
             while run.step < run.total_steps:
                 optimizer.lr = run.schedule(run.step)
-                x, y = batch_for_step(run.step, cfg, run.x_train, run.y_train, run.steps_per_epoch, data.mean,
-                                      data.std, cfg.dtype, data.num_classes)   # (B, H, W, C), (B,) or (B, K)
+                if run.task is None:
+                    x, y = batch_for_step(run.step, cfg, run.x_train, run.y_train, run.steps_per_epoch, data.mean,
+                                          data.std, cfg.dtype, data.num_classes)   # (B, H, W, C), (B,) or (B, K)
+                else:
+                    x, y = run.task.batch(run.step)           # CLIP: images (B, H, W, C), their tokens (B, L)
                 try:
-                    loss, correct, _ = train_step(model, optimizer, x, y, cfg, run.scaler)
+                    loss, correct, _ = (train_step(model, optimizer, x, y, cfg, run.scaler) if run.task is None
+                                        else run.task.train_step(x, y))
                 except FloatingPointError as err:             # the loss scaler gave up: see amp.LossScaler
                     raise run.diverged(str(err)) from None
                 if not math.isfinite(loss):
@@ -929,8 +974,12 @@ def evaluate_and_save(run):
     Returns the record."""
     start = time.perf_counter()
     images_per_second, wall_seconds = run.images_per_second(), start - run.start_time   # of the training alone
-    val_loss, val_acc = evaluate(run.model, run.x_test, run.y_test, run.data.mean, run.data.std, run.cfg.dtype,
-                                 run.cfg.eval_batch_size)
+    if run.task is None:
+        val_loss, val_acc = evaluate(run.model, run.x_test, run.y_test, run.data.mean, run.data.std, run.cfg.dtype,
+                                     run.cfg.eval_batch_size)
+        more = {}
+    else:                     # CLIP: val_acc is the zero-shot accuracy; more: its split, recall@1/@5, logit_scale
+        val_loss, val_acc, more = run.task.evaluate()
     run.eval_seconds += time.perf_counter() - start
     bad = non_finite_params(run.model)
     if not math.isfinite(val_loss) or bad:
@@ -940,7 +989,7 @@ def evaluate_and_save(run):
     seen = max(run.seen_images, 1)
     record = {"step": run.step, "epoch": round(run.step / run.steps_per_epoch, 4), "train_loss": run.seen_loss / seen,
               "train_acc": run.seen_correct / seen, "val_loss": val_loss, "val_acc": val_acc, "lr": run.optimizer.lr,
-              "images_per_second": images_per_second, "wall_seconds": wall_seconds}
+              "images_per_second": images_per_second, "wall_seconds": wall_seconds, **more}
     if run.scaler is not None:
         record.update(loss_scale=run.scaler.scale_value, skipped_steps=run.scaler.skipped_steps)
     run.history.append(record)
@@ -952,6 +1001,8 @@ def evaluate_and_save(run):
                  "dataset": run.data.name}
         if run.scaler is not None:
             extra["loss_scaler"] = run.scaler.state_dict()
+        if run.task is not None:
+            extra.update(run.task.checkpoint_extra())         # CLIP: its tokenizer
         try:
             save_checkpoint(run.ckpt_path, run.model, run.optimizer, extra)
         except OSError as err:
@@ -974,6 +1025,8 @@ def finish(run, stopped_by):
                "train_config": dataclasses.asdict(run.cfg)}
     if run.scaler is not None:
         summary.update(loss_scale=run.scaler.scale_value, skipped_steps=run.scaler.skipped_steps)
+    if run.task is not None:                          # CLIP: the last evaluation's zero-shot and retrieval figures
+        summary.update({k: v for k, v in last.items() if k in run.task.SUMMARY})
     out = run.cfg.out
     if out is not None:
         _write_json_atomic(os.path.join(out, "summary.json"), summary)
