@@ -35,6 +35,7 @@ LEVELS = [
     ("resnet", "clip"),             # models built on the ViT's parts: the CNN baseline, CLIP (branch clip)
     ("optim", "augment", "data", "download"),  # what training uses beside the model
     ("captions",),                  # captioned images for CLIP, built on data (branch clip)
+    ("clip_train",),                # CLIP's task for the trainer: its data, batches, step, evaluation (branch clip)
     ("checkpoint",),                # the trainer's .npz files: a model and its optimizer
     ("convert",),                   # published checkpoints (timm, JAX) and from_pretrained: above the model
     ("viz", "plot"),                # pictures: attention maps and patches, training curves
