@@ -47,9 +47,11 @@ demo: $(VENV)/.installed
 lab: $(VENV)/.installed
 	cd notebooks && ../$(VENV)/bin/jupyter lab
 
-## make bench: speed and memory against PyTorch eager, side by side (needs the parity venv for torch)
+## make bench: speed and memory against PyTorch eager, side by side (needs the parity venv for torch);
+## then a CLIP training step against open_clip's (benchmarks/bench_clip.py)
 bench: $(PARITY_VENV)/.installed
 	$(PARITY_PY) benchmarks/bench.py $(ARGS)
+	$(PARITY_PY) benchmarks/bench_clip.py
 
 clean:
 	rm -rf $(VENV) $(PARITY_VENV) .pytest_cache build *.egg-info

@@ -1105,7 +1105,8 @@ def main(argv=None):
     s = result.summary
     if s["final_val_accuracy"] is not None:
         print(f"done: {s['steps']} steps in {s['wall_seconds']:.0f} s ({s['images_per_second']:.0f} img/s); "
-              f"final val accuracy {s['final_val_accuracy']:.2%}, best {s['best_val_accuracy']:.2%}; "
+              f"final {'zero-shot' if s['train_config']['task'] == 'clip' else 'val'} accuracy "
+              f"{s['final_val_accuracy']:.2%}, best {s['best_val_accuracy']:.2%}; "
               f"results in {result.out}/")
     return 128 + getattr(signal, s["signal"]) if s["signal"] else 0   # 130 after Ctrl-C, 143 after SIGTERM
 
