@@ -82,7 +82,7 @@ RECIPES = {
     "finetune": dict(model="vit_base_patch16_224", img_size=384, epochs=None, max_steps=10000, batch_size=512,
                      lr=0.01, weight_decay=0.0, warmup_steps=500, label_smoothing=0.0, optimizer="sgd",
                      momentum=0.9, clip_grad=1.0, augment="standard"),
-    # CLIP (--task clip, minivit/clip_train.py) on the captioned shapes: about six minutes on two CPU cores
+    # CLIP (--task clip, minivit/clip_train.py) on the captioned shapes: 6.5 minutes of one CPU core (README)
     "clip-shapes": dict(task="clip", model="clip_shapes_tiny", epochs=20, batch_size=128, lr=2e-3, weight_decay=0.1,
                         warmup_epochs=1, label_smoothing=0.0, optimizer="adamw", augment="none"),
     # CLIP on Fashion-MNIST captioned from its class names and each image's shade
