@@ -20,6 +20,7 @@ training batch size.
 """
 
 import dataclasses
+import math
 
 from . import augment as A
 from . import backend
@@ -95,11 +96,14 @@ class CLIPTask:
             raise ValueError(f"batch_size {run.cfg.batch_size} is more than the {int(self.ids.max()) + 1} distinct "
                              f"training captions: a batch would hold a caption twice (a false negative)")
         self.tokens_train = backend.asarray(self.tokenizer(data.text_train), backend=on)  # (N, L)
-        first = sorted({text: i for i, text in reversed(list(enumerate(data.text_test)))}.values())
-        self.pairs = backend.asarray(first, backend=on)         # (n,) test pairs with distinct captions
-        self.pair_texts = [data.text_test[i] for i in first]
-        seen = [k not in set(data.held_out) for k in range(data.num_classes)]
-        self.seen = backend.asarray(seen, backend=on)[run.y_test]   # (N_test,) bool: a seen combination
+        first = {}                                              # caption -> the first test pair holding it
+        for i, text in enumerate(data.text_test):
+            first.setdefault(text, i)
+        self.pairs = backend.asarray(list(first.values()), backend=on)   # (n,) test pairs, distinct captions
+        self.pair_texts = list(first)                                     # their n captions
+        held = set(data.held_out)
+        seen = [k not in held for k in range(data.num_classes)]          # (K,)
+        self.seen = backend.asarray(seen, backend=on)[run.y_test]        # (N_test,) bool: a seen combination
 
     def batch(self, step):
         """Images (B, H, W, C) float and tokens (B, L) of optimizer step `step`: a function of (seed, step)."""
@@ -120,7 +124,7 @@ class CLIPTask:
         model.backward(dlogits)
         correct = int((logits.argmax(-1) == xp.arange(x.shape[0])).sum())
         grad_norm = float(clip_grad_norm(model, cfg.clip_grad)) if cfg.clip_grad else None
-        if loss != loss or abs(loss) == float("inf"):
+        if not math.isfinite(loss):                                         # the trainer stops, saving nothing
             return loss, 0, float("nan")
         optimizer.step()
         model.clamp_logit_scale()
@@ -147,7 +151,7 @@ class CLIPTask:
         B, n = run.cfg.batch_size, len(self.pair_texts)
         scale = xp.exp(model.params["logit_scale"])
         losses = []
-        for start in range(0, max(n - B, 0) + 1, B):                                   # whole batches of B
+        for start in range(0, max(n - B, 0) + 1, B):             # whole batches of B (one of n, if n < B)
             i, t = img_pairs[start:start + B], txt_pairs[start:start + B]
             losses.append(contrastive_loss(scale * (i @ t.T))[0])
         return sum(losses) / len(losses), more["zero_shot_accuracy"], more

@@ -1079,7 +1079,8 @@ def _gpu_matmul(a, b, out=None):
 def gelu_forward(x, approximate="erf"):
     """As functional.gelu_forward: (out, cache) with cache = (x, approximate)."""
     if _is_cupy(x):
-        body = {"erf": _GELU_ERF_FWD, "tanh": _GELU_TANH_FWD, "quick": _GELU_QUICK_FWD}[approximate]
+        body = (_GELU_ERF_FWD if approximate == "erf" else _GELU_TANH_FWD if approximate == "tanh"
+                else _GELU_QUICK_FWD)
         out = _elementwise(f"minivit_gelu_{approximate}_fwd", "T x", "T y", body)(x)
     else:
         out = _gelu_cpu(x, None, approximate)
@@ -1090,7 +1091,8 @@ def gelu_backward(dout, cache):
     """As functional.gelu_backward: dx."""
     x, approximate = cache
     if _is_cupy(x):
-        body = {"erf": _GELU_ERF_BWD, "tanh": _GELU_TANH_BWD, "quick": _GELU_QUICK_BWD}[approximate]
+        body = (_GELU_ERF_BWD if approximate == "erf" else _GELU_TANH_BWD if approximate == "tanh"
+                else _GELU_QUICK_BWD)
         return _elementwise(f"minivit_gelu_{approximate}_bwd", "T dout, T x", "T dx", body)(dout, x)
     return _gelu_cpu(x, dout, approximate)
 
