@@ -526,7 +526,11 @@ class Block(Layer):
         self.gather()
 
     def forward(self, x, mask=None):                                         # (B, N, D)
-        x1 = x + self.drop_path1.forward(self.attn.forward(self.norm1.forward(x), mask))   # (B, N, D)
+        h = self.norm1.forward(x)
+        # mask (N, N), e.g. the text tower's causal one; without it attn is called as forward(h), so that an
+        # attention a student writes with forward(self, x) (lesson 10) still runs in the ViT
+        a = self.attn.forward(h) if mask is None else self.attn.forward(h, mask)   # (B, N, D)
+        x1 = x + self.drop_path1.forward(a)                                  # (B, N, D)
         return x1 + self.drop_path2.forward(self.mlp.forward(self.norm2.forward(x1)))  # (B, N, D)
 
     def backward(self, dout):                                                # (B, N, D)
