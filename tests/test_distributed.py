@@ -1,0 +1,349 @@
+"""Data parallelism (minivit/distributed.py) with real ranks: `mpiexec -n 2` subprocesses on the CPU.
+
+The ranks run this file's worker (the bottom of the file: `python tests/test_distributed.py SCENARIO OUT`);
+the 1-process reference runs here, in the test, through the same loop with comm=None. Each rank gets one
+BLAS thread and one kernel thread (OPENBLAS_NUM_THREADS=1 MINIVIT_NUM_THREADS=1).
+
+Equality is measured as the largest relative difference over the whole flattened state,
+||a - b||_inf / ||b||_inf, for the parameters and for each kind of optimizer buffer. (Not array by array:
+the gradient of the attention's key bias is zero up to rounding, softmax ignores a shift of its logits,
+so that array holds rounding noise in both runs and its own relative difference measures nothing.)
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)   # the worker, started as a script, imports this checkout's minivit
+
+import minivit  # noqa: E402
+from minivit import distributed as dist  # noqa: E402
+from minivit.functional import cross_entropy  # noqa: E402
+from minivit.model import ViT, ViTConfig  # noqa: E402
+from minivit.optim import SGD, AdamW, clip_grad_norm, default_no_decay  # noqa: E402
+
+MPIEXEC = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which("mpiexec")
+try:
+    import mpi4py  # noqa: F401
+    HAVE_MPI = MPIEXEC is not None
+except ImportError:
+    HAVE_MPI = False
+needs_mpi = pytest.mark.skipif(not HAVE_MPI, reason=f"needs mpi4py and mpiexec: {dist.INSTALL}")
+
+B = 8   # the global batch: 4 images per rank on 2 ranks
+CONFIG = ViTConfig(img_size=8, patch_size=4, in_chans=3, num_classes=3, embed_dim=16, depth=2, num_heads=2,
+                   mlp_ratio=2.0)
+LOOPS = {   # name: (optimizer, grad_accum, clip, zero)
+    "adamw": ("adamw", 1, None, False),
+    "adamw_accum_clip": ("adamw", 2, 0.05, False),
+    "sgd_accum_clip": ("sgd", 2, 0.05, False),
+    "zero_adamw_accum_clip": ("adamw", 2, 0.05, True),
+    "zero_sgd": ("sgd", 1, None, True),
+}
+
+
+def env(**extra):
+    e = dict(os.environ, OPENBLAS_NUM_THREADS="1", MINIVIT_NUM_THREADS="1", PYTHONPATH=ROOT)
+    for name in dist.LAUNCHER_VARIABLES:   # a test run under mpiexec must not pass its own rank on
+        e.pop(name, None)
+    e.update(extra)
+    return e
+
+
+def mpiexec(n, args, timeout=120, **extra):
+    """Run `mpiexec -n n python args...` from the repository root; returns the CompletedProcess."""
+    cmd = [MPIEXEC, "-n", str(n), sys.executable] + list(args)
+    return subprocess.run(cmd, cwd=ROOT, env=env(**extra), capture_output=True, text=True, timeout=timeout)
+
+
+def max_rel(a, b):
+    """||a - b||_inf / ||b||_inf over dicts of arrays (the same keys), flattened together."""
+    assert sorted(a) == sorted(b)
+    da = max(float(np.abs(np.asarray(a[k], np.float64) - np.asarray(b[k], np.float64)).max()) for k in a)
+    return da / max(float(np.abs(np.asarray(b[k], np.float64)).max()) for k in b)
+
+
+# --------------------------------------------------------------------------------------------------
+# The hand-written loop both sides run: minivit's model and optimizer, no trainer
+# --------------------------------------------------------------------------------------------------
+
+
+def global_batch(step):
+    """Batch `step` of the global run: a function of step alone, the same on every rank."""
+    rng = np.random.default_rng([7, step])
+    x = rng.standard_normal((B, 8, 8, 3))             # (B, H, W, C)
+    y = rng.integers(0, 3, size=B)                     # (B,)
+    return x, y
+
+
+def hand_loop(comm, optimizer_name, grad_accum, clip, zero, steps=3):
+    """`steps` optimizer steps in float64. comm=None: one process on the whole batch, as the trainer does;
+    otherwise this rank's slice and a DataParallel. Returns (params, optimizer state, grad norms)."""
+    model = ViT(CONFIG, seed=0, dtype="float64")
+    no_decay = default_no_decay(model.params)
+    if optimizer_name == "adamw":
+        optimizer = AdamW(model, lr=1e-2, weight_decay=0.05, no_decay=no_decay)
+    else:
+        optimizer = SGD(model, lr=0.1, momentum=0.9, weight_decay=0.05, no_decay=no_decay)
+    dp = None if comm is None else dist.DataParallel(comm, model, optimizer, zero=zero)
+    norms = []
+    for step in range(steps):
+        optimizer.lr = optimizer.lr * 0.9             # a schedule: the ZeRO shard must follow it
+        x, y = global_batch(step)
+        if comm is not None:
+            rows = dist.local_slice(B, comm.rank, comm.world_size)
+            x, y = x[rows], y[rows]                   # (b, H, W, C), (b,)
+        model.zero_grad()
+        micro = x.shape[0] // grad_accum
+        for j in range(grad_accum):
+            logits = model.forward(x[j * micro:(j + 1) * micro])
+            _, dlogits = cross_entropy(logits, y[j * micro:(j + 1) * micro])
+            model.backward(dlogits / grad_accum)
+        if dp is None:
+            norms.append(clip_grad_norm(model, clip) if clip else None)
+            optimizer.step()
+        else:
+            dp.average_gradients()
+            norms.append(dp.clip_grad_norm(clip) if clip else None)
+            dp.step()
+    if dp is not None:
+        dp.gather_optimizer_state()
+    params = {k: minivit.to_numpy(v).copy() for k, v in model.params.items()}
+    return params, optimizer.state_dict(), norms
+
+
+def flat_state(state):
+    """An optimizer.state_dict()'s buffers as one dict "kind/name" -> array."""
+    return {f"{kind}/{name}": v for kind, bufs in state["buffers"].items() for name, v in bufs.items()}
+
+
+# --------------------------------------------------------------------------------------------------
+# The worker: what each rank runs
+# --------------------------------------------------------------------------------------------------
+
+
+def worker_loops(comm, out):
+    """Every loop of LOOPS; rank 0 saves the results, rank 1 its parameters (to show they are the same)."""
+    for name, (opt, accum, clip, zero) in LOOPS.items():
+        params, state, norms = hand_loop(comm, opt, accum, clip, zero)
+        if comm.rank <= 1:
+            arrays = {f"param/{k}": v for k, v in params.items()}
+            arrays.update({f"state/{k}": v for k, v in flat_state(state).items()})
+            np.savez(os.path.join(out, f"{name}.rank{comm.rank}.npz"), t=state["step"],
+                     norms=np.array([np.nan if v is None else v for v in norms]), **arrays)
+
+
+def worker_collectives(comm, out):
+    """The small pieces: evaluation shards and their mean, the global overflow test, the feature gather."""
+    r, R = comm.rank, comm.world_size
+    results = {}
+    # evaluation: 7 items over the ranks; each rank's mean of its items, then the mean over all
+    values = np.arange(7.0) ** 2
+    start, stop = dist.shard_range(7, r, R)
+    mine = values[start:stop]
+    results["eval_mean"] = dist.mean_over_ranks(comm, [float(mine.mean()), float((mine > 10).mean())],
+                                                stop - start)
+    # the loss scaler's overflow test: rank 1 alone overflows at its backward; both must skip the step
+    from minivit.amp import LossScaler
+
+    for zero in (False, True):
+        model = ViT(CONFIG, seed=0, dtype="float64")
+        dp = dist.DataParallel(comm, model, AdamW(model, lr=1e-3), zero=zero)
+        x, y = global_batch(0)
+        rows = dist.local_slice(B, r, R)
+        scaler = LossScaler(init_scale=2.0 ** 10)
+        model.zero_grad()
+        _, dlogits = cross_entropy(model.forward(x[rows]), y[rows])
+        if r == 1:
+            dlogits[0, 0] = np.inf                    # float16 would have overflowed here
+        with np.errstate(invalid="ignore", over="ignore"):
+            model.backward(scaler.scale(dlogits))
+            dp.average_gradients()
+            results[f"finite_zero{int(zero)}"] = dp.unscale(scaler)
+    # the contrastive loss over the global batch: features gathered, their gradients reduce-scattered
+    rng = np.random.default_rng(3)
+    img_all, txt_all = rng.standard_normal((B, 5)), rng.standard_normal((B, 5))   # (B, E): every rank's
+    img, txt = img_all[rows].copy(), txt_all[rows].copy()                          # (b, E): this rank's
+    img_g, txt_g = dist.all_gather_rows(comm, img), dist.all_gather_rows(comm, txt)  # (B, E)
+    results["gathered_equal"] = bool((img_g == img_all).all() and (txt_g == txt_all).all())
+    s = 2.0
+    loss, dli, dlt = dist.contrastive_loss_rows(s * img @ txt_g.T, s * txt @ img_g.T, r)   # (b, B) each
+    dimg = s * dli @ txt_g                                     # (b, E)  through this rank's own rows
+    dtxt = s * dlt @ img_g
+    dimg_g = dist.all_gather_rows_backward(comm, s * dlt.T @ txt)   # (b, E)  through the gathered rows
+    dtxt_g = dist.all_gather_rows_backward(comm, s * dli.T @ img)
+    results["clip_loss"] = dist.mean_over_ranks(comm, [loss], 1)[0]
+    grad = np.zeros((2 * B, 5))                                # d(mean loss)/d(all features), rank rows
+    grad[:B][rows] = (dimg + dimg_g) / R                       # / R: DataParallel's mean over the ranks
+    grad[B:][rows] = (dtxt + dtxt_g) / R
+    grad_sum = np.empty_like(grad)
+    comm.comm.Allreduce(grad, grad_sum)
+    if r == 0:
+        np.save(os.path.join(out, "clip_grad.npy"), grad_sum)
+        np.save(os.path.join(out, "collectives.npy"), np.array(results, dtype=object), allow_pickle=True)
+
+
+def worker_faults(comm, scenario):
+    """A rank that fails in one of three ways while rank 0 waits in the gradient all-reduce."""
+    import signal
+
+    if comm.rank == 1:
+        time.sleep(0.5)
+        if scenario == "killed":
+            os.kill(os.getpid(), signal.SIGKILL)          # dies: no message, no MPI call
+        elif scenario == "hangs":
+            os.kill(os.getpid(), signal.SIGSTOP)          # alive but never answers
+        elif scenario == "raises":
+            try:
+                raise RuntimeError("rank 1 broke")
+            except RuntimeError as err:
+                print(f"error: {err}", file=sys.stderr, flush=True)
+                comm.abort(3)
+    comm.allreduce(np.ones(4))
+    print(f"rank {comm.rank} went past the all-reduce", flush=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# The tests
+# --------------------------------------------------------------------------------------------------
+
+
+def test_without_a_launcher_there_is_no_communicator(monkeypatch):
+    for name in dist.LAUNCHER_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    assert not dist.launched_by_mpi()
+    assert dist.init() is None
+    assert dist.launched_by_mpi({"PMI_RANK": "0"}) and dist.launched_by_mpi({"OMPI_COMM_WORLD_RANK": "1"})
+
+
+def test_slices_and_shards_cover_everything_once():
+    assert [dist.local_slice(12, r, 3) for r in range(3)] == [slice(0, 4), slice(4, 8), slice(8, 12)]
+    bounds = [dist.shard_range(10, r, 4) for r in range(4)]
+    assert bounds == [(0, 3), (3, 6), (6, 8), (8, 10)]
+    with pytest.raises(ValueError, match="global batch size 10 must divide by the number of ranks 4"):
+        dist.check_global_batch(10, 4)
+    with pytest.raises(ValueError, match="grad_accum 4 must divide each rank's 6 images"):
+        dist.check_global_batch(12, 2, grad_accum=4)
+
+
+def test_flat_buffer_packs_and_unpacks_in_place():
+    rng = np.random.default_rng(0)
+    arrays = {"a": rng.standard_normal((2, 3)), "b": rng.standard_normal(5)}
+    buf = dist.FlatBuffer(arrays, pad=4)
+    assert buf.flat.shape == (12,) and buf.offsets == [0, 6]
+    flat = buf.pack(arrays)
+    np.testing.assert_array_equal(flat[:6], arrays["a"].ravel())
+    assert (flat[11:] == 0).all()
+    held = arrays["a"]
+    buf.unpack(arrays, flat * 2)
+    assert arrays["a"] is held                               # the layers keep their arrays
+    np.testing.assert_array_equal(held.ravel(), flat[:6] * 2)
+
+
+@pytest.fixture(scope="module")
+def loops_run(tmp_path_factory):
+    """One mpiexec -n 2 run of every loop in LOOPS (a few seconds)."""
+    if not HAVE_MPI:
+        pytest.skip(f"needs mpi4py and mpiexec: {dist.INSTALL}")
+    out = tmp_path_factory.mktemp("loops")
+    run = mpiexec(2, ["tests/test_distributed.py", "loops", str(out)])
+    assert run.returncode == 0, run.stdout + run.stderr
+    return out
+
+
+@needs_mpi
+@pytest.mark.parametrize("name", list(LOOPS))
+def test_two_ranks_equal_one_process(loops_run, name):
+    """Parameters and optimizer state after 3 steps of 2 ranks x 4 images = 1 process x 8, in float64."""
+    opt, accum, clip, zero = LOOPS[name]
+    params, state, norms = hand_loop(None, opt, accum, clip, zero)
+    got = dict(np.load(loops_run / f"{name}.rank0.npz"))
+    assert int(got["t"]) == state["step"] == 3
+    got_params = {k[len("param/"):]: v for k, v in got.items() if k.startswith("param/")}
+    assert max_rel(got_params, params) < 1e-10
+    ref_state = flat_state(state)
+    for kind in state["buffers"]:
+        theirs = {k: v for k, v in got.items() if k.startswith(f"state/{kind}/")}
+        mine = {f"state/{k}": v for k, v in ref_state.items() if k.startswith(f"{kind}/")}
+        assert len(theirs) == len(params) and max_rel(theirs, mine) < 1e-10, kind
+    if clip:                               # the clip did bind, with the norm of the whole batch's gradient
+        assert all(n > clip for n in norms)
+        np.testing.assert_allclose(got["norms"], norms, rtol=1e-10)
+    other = dict(np.load(loops_run / f"{name}.rank1.npz"))
+    for k in got_params:                   # and rank 1 holds exactly rank 0's parameters
+        np.testing.assert_array_equal(other[f"param/{k}"], got_params[k])
+
+
+@needs_mpi
+def test_two_ranks_differ_from_one_process_when_the_gradients_are_not_averaged(loops_run, monkeypatch):
+    """The check above can fail: without the exchange each rank follows its own slice's gradient."""
+    params, _, _ = hand_loop(None, "adamw", 1, None, False)
+    got = dict(np.load(loops_run / "adamw.rank0.npz"))
+    got_params = {k[len("param/"):]: v for k, v in got.items() if k.startswith("param/")}
+
+    class NoExchange:                      # a communicator that sums nothing: rank 0 alone
+        rank, world_size = 0, 2
+
+        def allreduce(self, buf, what=None):
+            buf *= 2                       # as if the other rank had the same gradient
+            return buf
+
+    alone, _, _ = hand_loop(NoExchange(), "adamw", 1, None, False)
+    assert max_rel(got_params, params) < 1e-10 < max_rel(alone, params)
+
+
+@needs_mpi
+def test_evaluation_overflow_and_contrastive_features(tmp_path):
+    run = mpiexec(2, ["tests/test_distributed.py", "collectives", str(tmp_path)])
+    assert run.returncode == 0, run.stdout + run.stderr
+    results = np.load(tmp_path / "collectives.npy", allow_pickle=True).item()
+    values = np.arange(7.0) ** 2
+    np.testing.assert_allclose(results["eval_mean"], [values.mean(), (values > 10).mean()], rtol=1e-14)
+    # rank 1's overflow alone makes both ranks skip, with and without ZeRO
+    assert results["finite_zero0"] is False and results["finite_zero1"] is False
+    assert results["gathered_equal"]
+    # the contrastive loss of the global batch, and its gradient for every feature, as one process has it
+    rng = np.random.default_rng(3)
+    img, txt = rng.standard_normal((B, 5)), rng.standard_normal((B, 5))
+    s = 2.0
+    logits = s * img @ txt.T                                              # (B, B)
+    loss_i, dl_i = cross_entropy(logits, np.arange(B))
+    loss_t, dl_t = cross_entropy(logits.T, np.arange(B))
+    dlogits = (dl_i + dl_t.T) / 2
+    grad = np.concatenate([s * dlogits @ txt, s * dlogits.T @ img])       # d loss / d (img, txt)
+    assert abs(results["clip_loss"] - (loss_i + loss_t) / 2) < 1e-12
+    np.testing.assert_allclose(np.load(tmp_path / "clip_grad.npy"), grad, rtol=1e-12, atol=1e-15)
+
+
+@needs_mpi
+@pytest.mark.parametrize("scenario, status", [("killed", None), ("hangs", dist.EXIT_TIMEOUT), ("raises", 3)])
+def test_a_failed_rank_ends_the_others(tmp_path, scenario, status):
+    """Rank 1 dies, hangs or raises while rank 0 waits in an all-reduce: the job ends within seconds."""
+    start = time.monotonic()
+    run = mpiexec(2, ["tests/test_distributed.py", scenario, str(tmp_path)], timeout=60, MINIVIT_DIST_TIMEOUT="3")
+    assert run.returncode != 0 and time.monotonic() - start < 30
+    assert "went past the all-reduce" not in run.stdout
+    if status is not None:
+        assert run.returncode == status, run.stdout + run.stderr
+    if scenario == "hangs":
+        assert "rank 0 waited more than 3 s for the other ranks in the gradient all-reduce" in run.stderr
+    if scenario == "raises":
+        assert "error: rank 1 broke" in run.stderr
+
+
+if __name__ == "__main__":
+    scenario, out_dir = sys.argv[1], sys.argv[2]
+    world = dist.init()
+    if scenario == "loops":
+        worker_loops(world, out_dir)
+    elif scenario == "collectives":
+        worker_collectives(world, out_dir)
+    else:
+        worker_faults(world, scenario)
+    sys.exit(0)
