@@ -25,7 +25,7 @@ test: $(VENV)/.installed
 $(PARITY_VENV)/.installed: requirements.txt pyproject.toml
 	$(PYTHON) -m venv $(PARITY_VENV)
 	$(PARITY_PY) -m pip install -q torch==2.14.1 torchvision==0.29.1 timm
-	$(PARITY_PY) -m pip install -q numpy scipy numba threadpoolctl pillow tqdm matplotlib safetensors pytest
+	$(PARITY_PY) -m pip install -q numpy scipy numba threadpoolctl pillow tqdm matplotlib safetensors pytest mpi4py mpich
 	$(PARITY_PY) -m pip install -q --no-deps -e .
 	touch $@
 
