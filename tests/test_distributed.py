@@ -99,6 +99,7 @@ def hand_loop(comm, optimizer_name, grad_accum, clip, zero, steps=3):
         if comm is not None:
             rows = dist.local_slice(B, comm.rank, comm.world_size)
             x, y = x[rows], y[rows]                   # (b, H, W, C), (b,)
+        x, y = minivit.asarray(x), minivit.asarray(y)   # onto the model's backend
         model.zero_grad()
         micro = x.shape[0] // grad_accum
         for j in range(grad_accum):
@@ -335,6 +336,30 @@ def test_a_failed_rank_ends_the_others(tmp_path, scenario, status):
         assert "rank 0 waited more than 3 s for the other ranks in the gradient all-reduce" in run.stderr
     if scenario == "raises":
         assert "error: rank 1 broke" in run.stderr
+
+
+@pytest.mark.gpu
+def test_nccl_with_one_rank_equals_one_process():
+    """NCCLComm on this process alone (NCCL refuses two ranks on one GPU): its collectives, and ZeRO-1
+    through NCCL after 3 steps, equal to one process. Run by scripts/gpu_check.sh."""
+    pytest.importorskip("mpi4py", reason=f"needs mpi4py: {dist.INSTALL}")
+    minivit.set_backend("cupy")
+    import cupy
+
+    comm = dist.NCCLComm()                         # MPI's COMM_WORLD of a process started alone: 1 rank
+    assert (comm.rank, comm.world_size) == (0, 1)
+    buf = cupy.arange(6, dtype=cupy.float32)
+    np.testing.assert_array_equal(minivit.to_numpy(comm.allreduce(buf)), np.arange(6))
+    out = cupy.zeros(6, dtype=cupy.float64)
+    comm.reduce_scatter(cupy.arange(6.0), out)
+    np.testing.assert_array_equal(minivit.to_numpy(out), np.arange(6.0))
+    comm.allgather(cupy.ones(6), out)
+    assert float(out.sum()) == 6.0
+    for zero in (False, True):
+        params, state, _ = hand_loop(None, "adamw", 2, 0.05, False)
+        got, got_state, _ = hand_loop(comm, "adamw", 2, 0.05, zero)
+        assert max_rel(got, params) < 1e-10
+        assert max_rel(flat_state(got_state), flat_state(state)) < 1e-10
 
 
 if __name__ == "__main__":
