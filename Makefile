@@ -17,8 +17,9 @@ $(VENV)/.installed: requirements.txt pyproject.toml
 	$(PY) -m ipykernel install --sys-prefix --name python3 >/dev/null
 	touch $@
 
-## make test: set up .venv (first time) and run the whole test suite on the CPU
+## make test: set up .venv (first time), check the code with ruff (pyproject.toml), run the whole test suite on the CPU
 test: $(VENV)/.installed
+	$(PY) -m ruff check .
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # The reference oracle (PyTorch + timm) lives in its own venv: never a runtime dependency.
@@ -33,9 +34,10 @@ $(PARITY_VENV)/.installed: requirements.txt pyproject.toml
 test-parity: $(PARITY_VENV)/.installed
 	$(PARITY_PY) -m pytest -m parity $(PYTEST_ARGS)
 
-## make train: the main job, a small ViT on CIFAR-10 (falls back to Fashion-MNIST or shapes offline)
+## make train: the main job, a small ViT on CIFAR-10 (falls back to Fashion-MNIST or shapes offline), into
+## runs/cifar10 (or runs/fashion-mnist, runs/shapes: the data set it trained on); ARGS=--resume continues it
 train: $(VENV)/.installed
-	$(PY) -m minivit.train --dataset cifar10 --download --fallback --out runs/cifar10 $(ARGS)
+	$(PY) -m minivit.train --dataset cifar10 --download --fallback --out 'runs/{dataset}' $(ARGS)
 
 ## make demo: the offline quick run on the procedural `shapes` data set (about three minutes on 2 cores)
 demo: $(VENV)/.installed

@@ -25,7 +25,8 @@ functions (found in /proc/self/maps). minivit's Numba kernels (LayerNorm, GELU, 
 AdamW) use MINIVIT_NUM_THREADS (default: all cores); --threads sets it too.
 
 FLOPs and MFU. The FLOPs of a step are 3x those of the forward (the backward computes two products,
-dx and dW, for each one in the forward). The forward is counted from the config, multiply-add = 2 FLOPs:
+dx and dW, for each one in the forward). The forward is minivit.flops(config) (minivit/model.py), per
+image, multiply-add = 2 FLOPs:
     per image  2 * (N * P*P*C * D                       patch embedding, N patches
                     + depth * T * (3D*D + D*D + 2*D*M)  qkv, proj, fc1, fc2, T = N (+1) tokens
                     + D * K)                            head
@@ -223,15 +224,9 @@ def machine_info(torch):
 # FLOPs and the machine's matmul rate
 # ==================================================================================================
 
-def forward_flops_per_image(c):
-    """FLOPs of one image's forward, from the config (see the module docstring)."""
-    N, T, D, M, K = c.num_patches, c.seq_len, c.embed_dim, c.mlp_dim, c.num_classes
-    macs = N * c.patch_size ** 2 * c.in_chans * D + c.depth * T * (4 * D * D + 2 * D * M) + D * K
-    return 2 * macs + c.depth * 4 * T * T * D
-
-
 def step_flops(c, batch):
-    return 3 * forward_flops_per_image(c) * batch
+    """A training step's FLOPs: 3x the forward's, minivit.flops (see the module docstring)."""
+    return 3 * minivit.flops(c) * batch
 
 
 def facts_approx_step_flops(c, batch):
@@ -597,6 +592,22 @@ def memory_table(results):
     return "\n".join(lines)
 
 
+def used_precision(torch, devices, precision):
+    """One line per device saying which arithmetic each side's matrix products use in this run."""
+    lines = []
+    if "cpu" in devices:
+        lines.append("precision [cpu]: minivit float32 (NumPy/BLAS), PyTorch float32")
+    if "gpu" in devices:
+        tf32 = kernels.tf32_enabled()
+        fp32 = "TF32 (CUPY_TF32=1)" if tf32 else "FP32"
+        linear = "float16 (float32 sums) with loss scaling" if precision == "float16" else fp32
+        torch_mm = ("float16 under autocast, GradScaler" if precision == "float16" else
+                    "TF32" if torch.backends.cuda.matmul.allow_tf32 else "FP32")
+        lines.append(f"precision [gpu]: minivit Linear products {linear}, attention products {fp32} "
+                     f"(cuBLAS, kernels._gpu_matmul); PyTorch matmuls {torch_mm}")
+    return lines
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description="minivit vs PyTorch eager: speed, memory, MFU, per-layer profile")
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "gpu", "both"],
@@ -641,6 +652,10 @@ def main(argv=None):
         torch.backends.cuda.matmul.allow_tf32 = tf32
         torch.backends.cudnn.allow_tf32 = tf32                     # the patch embedding is a convolution
 
+    precision_used = used_precision(torch, devices, args.precision)
+    for line in precision_used:
+        print(line)
+
     info = machine_info(torch)
     blas = ", ".join(f"{d.get('api')} {d.get('version') or ''} ({d.get('corename')}, {d.get('num_threads')} threads)"
                      for d in info["blas"]) or "unknown"
@@ -681,7 +696,7 @@ def main(argv=None):
     out_dir.mkdir(parents=True, exist_ok=True)
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     path = out_dir / f"{'-'.join(devices)}-{stamp}.json"
-    record = dict(machine=info, matmul_gflops=rates, args=vars(args), results=results,
+    record = dict(machine=info, matmul_gflops=rates, args=vars(args), results=results, precision_used=precision_used,
                   seconds=time.time() - t_start, created=stamp)
     path.write_text(json.dumps(record, indent=1, default=str))
 

@@ -32,15 +32,15 @@ from minivit import backend, ops  # noqa: E402
 CLOCK = time.perf_counter  # wall clock; --clock process switches to the CPU time (one thread only)
 
 
-def walk(prefix, layer, depth, max_depth):
-    """(path, layer, depth) for layer and its children (recursively, up to max_depth below the stage)."""
-    yield prefix, layer, depth
-    if depth >= max_depth:
-        return
-    for name, child in layer.children.items():
-        if isinstance(child, minivit.layers.Dropout) and child.p == 0.0:
-            continue  # identity: not worth a row
-        yield from walk(f"{prefix}.{name}" if name else prefix, child, depth + 1, max_depth)
+def walk(stage, layer, max_depth):
+    """(path, layer, depth) for a stage's layer and the layers inside it (Layer.named_sublayers), up to
+    max_depth below the stage; depth counts the layers a layer sits in (blocks.0.mlp.fc1: 2, under
+    blocks.0 and blocks.0.mlp). A dropout that is off is the identity and gets no row."""
+    subs = list(layer.named_sublayers(stage))
+    for path, sub in subs:
+        depth = sum(path.startswith(outer + ".") for outer, _ in subs)
+        if depth <= max_depth and not (isinstance(sub, minivit.layers.Dropout) and sub.p == 0.0):
+            yield path, sub, depth
 
 
 class Profiler:
@@ -50,7 +50,7 @@ class Profiler:
         self.model = model
         self.targets = []  # (path, layer, depth)
         for stage, layer in model.stages():
-            self.targets += list(walk(stage, layer, 0, max_depth))
+            self.targets += list(walk(stage, layer, max_depth))
         self.times = {}  # (path, "fwd"|"bwd") -> [seconds, ...], one entry per step
         self._step = {}  # (path, "fwd"|"bwd") -> seconds in the current step
 

@@ -29,9 +29,9 @@ import numpy as np
 import minivit
 from minivit import augment as A
 from minivit import backend
-from minivit.conv import ResNet, ResNetConfig
 from minivit.data import SHAPES_CLASSES, Dataset, channel_mean_std, load_dataset, make_shapes
 from minivit.model import ViT, ViTConfig
+from minivit.resnet import ResNet, ResNetConfig
 from minivit.train import TrainConfig, TrainingDiverged, train
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -111,31 +111,10 @@ def resnet_for(data, base, seed=0, **overrides):
 
 def forward_flops(model):
     """FLOPs of one image's forward pass through the matrix multiplies and convolutions (a multiply-add
-    counts 2; norms, activations and softmax are left out, as usual). A training step costs about 3x."""
+    counts 2; norms, activations and softmax are left out, as usual): minivit.flops for a ViT,
+    ResNetConfig.flops for the ResNet. A training step costs about 3x."""
     c = model.config
-    if isinstance(c, ResNetConfig):
-        H, W = c.img_size
-        flops = 2 * H * W * 9 * c.in_chans * c.widths[0]                       # stem
-        for c_in, c_out, stride in c.blocks():
-            H, W = (H - 1) // stride + 1, (W - 1) // stride + 1                 # 3x3 conv, padding 1
-            flops += 2 * H * W * 9 * (c_in * c_out + c_out * c_out)            # conv1, conv2
-            if stride != 1 or c_in != c_out:
-                flops += 2 * H * W * c_in * c_out                               # 1x1 shortcut
-        return flops + 2 * c.widths[-1] * c.num_classes
-    N, T, D, M = c.num_patches, c.seq_len, c.embed_dim, c.mlp_dim
-    if c.stem == "conv":
-        H, W = c.img_size
-        chans = (c.in_chans,) + c.stem_channels
-        embed = 0
-        for i in range(len(chans) - 1):
-            if i > 0:
-                H, W = (H - 1) // 2 + 1, (W - 1) // 2 + 1
-            embed += 2 * H * W * 9 * chans[i] * chans[i + 1]
-        embed += 2 * N * chans[-1] * D                                          # 1x1 patches -> D
-    else:
-        embed = 2 * N * c.patch_size ** 2 * c.in_chans * D                      # x_p E
-    block = 2 * T * (3 * D * D + D * D + 2 * D * M) + 2 * 2 * T * T * D        # qkv, proj, MLP; q k^T, a v
-    return embed + c.depth * block + 2 * D * c.num_classes
+    return c.flops() if isinstance(c, ResNetConfig) else minivit.flops(c)
 
 
 def describe(model):

@@ -5,19 +5,42 @@
     logits = model.forward(x)                       # x: (B, 32, 32, 3) float32
     loss, dlogits = minivit.cross_entropy(logits, labels)
     model.zero_grad(); model.backward(dlogits)      # fills model.grads
+
+Every module is an attribute: ``minivit.layers``, ``minivit.convert``, ``minivit.optim``... The ones that
+only training, the data sets or the pictures need (tqdm, Pillow, matplotlib) are imported the first
+time they are named.
 """
 
+import importlib
+
 from . import _blas_env  # noqa: F401  (first: a setting NumPy's BLAS reads when NumPy is imported)
-from . import amp  # noqa: F401  (minivit.amp.LossScaler: mixed precision)
+from . import amp, backend, checkpoint, conv, convert, functional, kernels, layers, model, ops, optim  # noqa: F401
 from .backend import (asarray, backend_module, get_array_module, get_backend, gpu_available, set_backend,
                       to_numpy)
 from .checkpoint import load_model
+from .convert import from_pretrained
 from .functional import cross_entropy
 from .gradcheck import GradcheckReport, gradcheck
-from .model import ViT, ViTConfig, create_model, presets, trace
+from .model import ViT, ViTConfig, create_model, flops, param_shapes, presets, trace
 
 __version__ = "0.1.0"
 
 __all__ = ["asarray", "backend_module", "get_array_module", "get_backend", "gpu_available", "set_backend",
            "to_numpy", "cross_entropy", "gradcheck", "GradcheckReport", "ViT", "ViTConfig", "create_model",
-           "presets", "trace", "load_model"]
+           "flops", "param_shapes", "presets", "trace", "load_model", "from_pretrained"]
+
+# Imported on first use: minivit.train (tqdm), .download (tqdm), .data, .viz and .plot (matplotlib inside),
+# .predict (Pillow inside), .augment, .resnet.
+_LAZY = ("augment", "data", "download", "plot", "predict", "resnet", "train", "viz")
+
+
+def __getattr__(name):
+    """``minivit.train`` and the other modules of _LAZY: imported when first named (the import then
+    sets the attribute, so this runs once per module)."""
+    if name in _LAZY:
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module 'minivit' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))

@@ -70,17 +70,18 @@ class LossScaler:
         return dlogits * dlogits.dtype.type(self.scale_value)
 
     def unscale(self, model):
-        """Divide every gradient in model.grads by S, in place. Returns True when all are finite.
-        (When one is not, the others are left scaled: the step is skipped and zero_grad clears them.)"""
+        """Divide every gradient in model.grads by S, in place, when all are finite. Returns whether they
+        are, as a boolean where the gradients are (numpy.bool_ on the CPU, a 0-d CuPy array on the GPU,
+        so the host does not wait for the GPU here: the trainer reads it with the step's loss, in one
+        transfer). When one is not finite, none is changed: the step is skipped and zero_grad clears them."""
         grads = list(model.grads.values())
         if not grads:
             return True
         xp = get_array_module(*grads)
-        finite = bool(xp.stack([xp.isfinite(g).all() for g in grads]).all())  # one device->host transfer
-        if finite:
-            inv = 1.0 / self.scale_value
-            for g in grads:
-                g *= g.dtype.type(inv)
+        finite = xp.stack([xp.isfinite(g).all() for g in grads]).all()   # 0-d, on the gradients' device
+        inv = xp.where(finite, 1.0 / self.scale_value, 1.0)            # 1 / S, or 1: nothing changes
+        for g in grads:
+            g *= inv.astype(g.dtype)
         return finite
 
     def update(self, finite):

@@ -6,13 +6,16 @@ Layout inside the file (plain NumPy arrays, nothing pickled):
     param/<name>               each model parameter, minivit's layout (e.g. param/blocks.0.attn.qkv.weight)
     optim/<kind>/<name>        each optimizer buffer (e.g. optim/exp_avg/head.weight)
 
-Files are written atomically: to a temporary file in the same folder, flushed to disk, then renamed
-over the target, so a crash or Ctrl-C mid-write never leaves a half-written checkpoint.
+Files are written atomically (write_atomic): to a temporary file in the same folder, flushed to disk,
+then renamed over the target, so a crash or Ctrl-C mid-write never leaves a half-written checkpoint. A
+temporary file that a SIGKILL left behind is named like ``.checkpoint-1a2b3c4d.npz.tmp``;
+remove_stale_temporaries(folder) deletes them (the trainer does at the start of each run).
 """
 
+import glob
 import json
 import os
-import tempfile
+import secrets
 import zipfile
 
 import numpy
@@ -23,12 +26,9 @@ from .model import ViT, ViTConfig
 FORMAT = "minivit-checkpoint-1"
 
 
-def dropout_layers(layer, prefix=""):
-    """(name, Dropout) for every dropout/drop-path layer inside ``layer``, in a fixed order."""
-    found = [(prefix, layer)] if isinstance(layer, Dropout) else []
-    for name, child in layer.children.items():
-        found += dropout_layers(child, f"{prefix}.{name}" if prefix else name or "pos")
-    return found
+def dropout_layers(model):
+    """(name, Dropout) for every dropout/drop-path layer inside ``model``, in a fixed order."""
+    return [(name, layer) for name, layer in model.named_sublayers() if isinstance(layer, Dropout)]
 
 
 def _jsonable(value):
@@ -39,6 +39,44 @@ def _jsonable(value):
     if hasattr(value, "item") and getattr(value, "ndim", 1) == 0:
         return value.item()
     return value
+
+
+def _temporary_name(path):
+    """.<stem>-<random>.<ext>.tmp beside path: checkpoint.npz -> .checkpoint-1a2b3c4d.npz.tmp"""
+    folder, name = os.path.split(os.path.abspath(path))
+    stem, ext = os.path.splitext(name)
+    return os.path.join(folder, f".{stem}-{secrets.token_hex(4)}{ext}.tmp")
+
+
+def write_atomic(path, write):
+    """Create path through a temporary file: write(f) fills the binary file f, which is flushed to disk
+    and renamed over path. On any error (Ctrl-C included) the temporary is removed and path is untouched.
+    The file gets the mode open() would give it (0666 less the umask), like every other output."""
+    tmp = _temporary_name(path)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)   # the umask applies, as for open()
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    return path
+
+
+def remove_stale_temporaries(folder, names=("checkpoint.npz", "summary.json", "metrics.jsonl")):
+    """Delete the temporary files that an interrupted write_atomic of these names left in folder (a
+    SIGKILL mid-write skips the clean-up). Returns the paths removed."""
+    removed = []
+    for name in names:
+        stem, ext = os.path.splitext(name)
+        for path in glob.glob(os.path.join(glob.escape(folder), f".{stem}-*{ext}.tmp")):
+            os.remove(path)
+            removed.append(path)
+    return removed
 
 
 def save_checkpoint(path, model, optimizer=None, extra=None):
@@ -56,26 +94,20 @@ def save_checkpoint(path, model, optimizer=None, extra=None):
             for name, buf in buffers.items():
                 arrays[f"optim/{kind}/{name}"] = buf
     arrays["meta"] = numpy.array(json.dumps(meta))
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".checkpoint-", suffix=".npz.tmp", dir=folder)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            numpy.savez(f, **arrays)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-    return path
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    return write_atomic(path, lambda f: numpy.savez(f, **arrays))
 
 
 def load_checkpoint(path):
     """Read a checkpoint: returns {"meta": dict, "params": {name: array}, "optimizer": state dict or None}.
+    path: the .npz file, or a run folder (the --out of minivit.train) holding checkpoint.npz.
     A missing, truncated or foreign file gets an error that names it."""
     path = os.fspath(path)
+    if os.path.isdir(path):
+        if not os.path.isfile(os.path.join(path, "checkpoint.npz")):
+            raise FileNotFoundError(f"{path!r} is a folder without a checkpoint.npz (give the checkpoint file, "
+                                    "or the --out folder of a training run)")
+        path = os.path.join(path, "checkpoint.npz")
     if not os.path.exists(path):
         raise FileNotFoundError(f"no checkpoint at {path!r}")
     if not zipfile.is_zipfile(path):
@@ -92,12 +124,16 @@ def load_checkpoint(path):
                          f"{err})") from None
     except json.JSONDecodeError as err:
         raise ValueError(f"{path!r}: its metadata is not valid JSON ({err})") from None
-    if meta.get("format") != FORMAT:
-        raise ValueError(f"{path!r} has format {meta.get('format')!r}, expected {FORMAT!r}")
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+        raise ValueError(f"{path!r} has format {found!r}, expected {FORMAT!r}")
     params = {k[len("param/"):]: v for k, v in arrays.items() if k.startswith("param/")}
     optimizer = None
     if "optimizer" in meta:
         o = meta["optimizer"]
+        missing = [k for k in ("type", "step", "hyperparams") if k not in o]
+        if missing:
+            raise ValueError(f"{path!r}: the optimizer state in its metadata lacks {missing} (an edited file?)")
         buffers = {kind: {} for kind in o.get("kinds", [])}
         for k, v in arrays.items():
             if k.startswith("optim/"):
@@ -107,7 +143,16 @@ def load_checkpoint(path):
         if isinstance(hp.get("betas"), list):
             hp["betas"] = tuple(hp["betas"])
         optimizer = {"type": o["type"], "step": o["step"], "hyperparams": hp, "buffers": buffers}
-    return {"meta": meta, "params": params, "optimizer": optimizer}
+    return {"meta": meta, "params": params, "optimizer": optimizer, "path": path}
+
+
+def check_finite(params, where):
+    """Refuse parameters holding NaN or infinity (a diverged run), naming them: a ValueError."""
+    bad = [name for name, value in params.items() if not numpy.isfinite(value).all()]
+    if bad:
+        shown = ", ".join(bad[:4]) + (f" and {len(bad) - 4} more" if len(bad) > 4 else "")
+        raise ValueError(f"{where}: {len(bad)} parameters hold NaN or infinite values ({shown}); the run that "
+                         f"wrote it had diverged. Use an earlier checkpoint, or train again with a lower --lr")
 
 
 def restore_dropout_rngs(model, states):
@@ -118,9 +163,11 @@ def restore_dropout_rngs(model, states):
 
 
 def load_model(path, backend=None):
-    """The ViT saved in a checkpoint, with its weights (on the current backend unless one is named)."""
+    """The ViT saved in a checkpoint (a file, or a run folder holding checkpoint.npz), with its weights, on
+    the current backend unless one is named. Non-finite weights (a diverged run) are refused by name."""
     ckpt = load_checkpoint(path)
-    meta = ckpt["meta"]
+    path, meta = ckpt["path"], ckpt["meta"]
+    check_finite(ckpt["params"], repr(path))
     try:
         config = ViTConfig.from_dict(meta["config"])
     except (KeyError, TypeError, ValueError) as err:
@@ -128,7 +175,10 @@ def load_model(path, backend=None):
     model = ViT(config, dtype=meta.get("dtype", "float32"))
     if backend is not None:
         model.to(backend)
-    model.load_state_dict(ckpt["params"])
-    restore_dropout_rngs(model, meta.get("dropout_rng", {}))
-    model.checkpoint_meta = meta.get("extra", {})
+    try:
+        model.load_state_dict(ckpt["params"])
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{path!r}: {err}") from None
+    restore_dropout_rngs(model, meta.get("dropout_rng") or {})
+    model.checkpoint_meta = meta.get("extra") or {}
     return model

@@ -15,7 +15,10 @@ The names minivit uses are timm's; the layouts are minivit's own:
 Loading a published checkpoint, or one of minivit's own (the format is told by the file's content):
 
     config, state = load_checkpoint_file("ViT-B_16.npz")        # (ViTConfig, minivit state dict)
-    model = minivit.ViT.from_pretrained("ViT-B_16.npz", num_classes=10, img_size=384)
+    model = minivit.from_pretrained("ViT-B_16.npz", num_classes=10, img_size=384)   # a ViT, in one call
+
+The names and shapes a ViT must have come from model.param_shapes; the position-embedding resize for
+another resolution is layers.resize_pos_embed. This file sits above the model and the checkpoints.
 
 Every function takes and returns host NumPy arrays (torch tensors are accepted and converted; torch
 is imported only to read a .pth/.bin file, safetensors only to read a .safetensors one).
@@ -29,7 +32,9 @@ import zipfile
 import numpy
 
 from .backend import to_numpy
-from .model import ViTConfig
+from .checkpoint import load_checkpoint
+from .layers import resize_pos_embed
+from .model import ViT, ViTConfig, param_shapes
 
 PATCH_KEY = "patch_embed.proj.weight"
 
@@ -107,32 +112,6 @@ def timm_kwargs(config):
     return kwargs
 
 
-def expected_shapes(config):
-    """name -> shape of every parameter of a minivit ViT with this config (nothing is allocated)."""
-    c = config
-    D, M, P, C = c.embed_dim, c.mlp_dim, c.patch_size, c.in_chans
-    shapes = {"patch_embed.proj.weight": (P * P * C, D), "patch_embed.proj.bias": (D,)}
-    if c.pool == "cls":
-        shapes["cls_token"] = (1, 1, D)
-    shapes["pos_embed"] = (1, c.seq_len, D)
-    for i in range(c.depth):
-        b = f"blocks.{i}."
-        shapes.update({b + "norm1.weight": (D,), b + "norm1.bias": (D,), b + "attn.qkv.weight": (D, 3 * D)})
-        if c.qkv_bias:
-            shapes[b + "attn.qkv.bias"] = (3 * D,)
-        shapes.update({b + "attn.proj.weight": (D, D), b + "attn.proj.bias": (D,),
-                       b + "norm2.weight": (D,), b + "norm2.bias": (D,),
-                       b + "mlp.fc1.weight": (D, M), b + "mlp.fc1.bias": (M,),
-                       b + "mlp.fc2.weight": (M, D), b + "mlp.fc2.bias": (D,)})
-    shapes.update({"norm.weight": (D,), "norm.bias": (D,)})
-    head_in = D
-    if c.representation_size is not None:
-        R = head_in = c.representation_size
-        shapes.update({"pre_logits.fc.weight": (D, R), "pre_logits.fc.bias": (R,)})
-    shapes.update({"head.weight": (head_in, c.num_classes), "head.bias": (c.num_classes,)})
-    return shapes
-
-
 def _check_arrays(what, arrays, shapes):
     """Refuse, naming the keys, a dict of arrays whose names or shapes are not those expected."""
     missing = [k for k in shapes if k not in arrays]
@@ -207,7 +186,7 @@ def from_timm_checkpoint(state_dict, num_heads=None, img_size=None, gelu=None, n
     depth = 0
     while f"blocks.{depth}.norm1.weight" in sd:
         depth += 1
-    if depth == 0 or f"blocks.0.mlp.fc1.weight" not in sd:
+    if depth == 0 or "blocks.0.mlp.fc1.weight" not in sd:
         raise ValueError(f"{what} has no transformer blocks (blocks.0.norm1.weight, blocks.0.mlp.fc1.weight)")
     if num_heads is None:
         if D not in HEADS_BY_WIDTH:
@@ -232,7 +211,7 @@ def from_timm_checkpoint(state_dict, num_heads=None, img_size=None, gelu=None, n
                        pool="cls" if class_token else "gap", qkv_bias="blocks.0.attn.qkv.bias" in sd,
                        gelu=gelu, representation_size=R if K else None)
     state = from_timm(sd)
-    shapes = expected_shapes(config)
+    shapes = param_shapes(config)
     if K is None:  # a headless checkpoint (timm's num_classes=0): the head comes from new_head below
         shapes = {k: v for k, v in shapes.items() if not k.startswith(("head.", "pre_logits."))}
         state = {k: v for k, v in state.items() if not k.startswith("pre_logits.")}
@@ -385,7 +364,10 @@ def to_google_npz(state_dict, config, path=None):
     c = config
     if not c.qkv_bias:
         raise ValueError("the JAX layout always has q, k, v biases: a qkv_bias=False model has no such file")
-    _check_arrays("the state dict", state_dict, expected_shapes(c))
+    if c.stem != "patch" or c.pos_embed != "learned":
+        raise ValueError(f"the JAX release's ViT layout has the patch stem and learned 1-D position embeddings; "
+                         f"got stem={c.stem!r}, pos_embed={c.pos_embed!r}")
+    _check_arrays("the state dict", state_dict, param_shapes(c))
     sd = {k: _as_numpy(v) for k, v in state_dict.items()}
     D, P, C, nh = c.embed_dim, c.patch_size, c.in_chans, c.num_heads
     hs = D // nh
@@ -436,52 +418,18 @@ def _finish_head(config, state, K, num_classes, what):
     return config, state
 
 
-def resize_pos_embed(pos_embed, old_grid, new_grid, num_prefix_tokens=1):
-    """Position embeddings for another patch grid (paper §3.2): the patch part, seen as a
-    (gh, gw, D) image, is resized by bilinear interpolation with corners aligned (the JAX release's
-    scipy.ndimage.zoom(order=1); timm's own loader uses align_corners=False instead); the first
-    num_prefix_tokens rows (the class token's) are kept as they are.
-
-    pos_embed: (1, T + gh*gw, D), T = num_prefix_tokens; old_grid (gh, gw), new_grid (gh', gw').
-    Returns (1, T + gh'*gw', D), in pos_embed's dtype. Computed on the host in float64.
-    """
-    pos_embed = _as_numpy(pos_embed)
-    (gh, gw), (nh_, nw) = tuple(old_grid), tuple(new_grid)
-    T = num_prefix_tokens
-    if pos_embed.ndim != 3 or pos_embed.shape[0] != 1 or pos_embed.shape[1] != T + gh * gw:
-        raise ValueError(f"pos_embed must be (1, {T} + {gh}*{gw}, D) for grid {(gh, gw)} with {T} prefix "
-                         f"token(s), got {pos_embed.shape}")
-    if min(gh, gw, nh_, nw) < 1:
-        raise ValueError(f"grids must be at least 1x1, got {old_grid} -> {new_grid}")
-    D = pos_embed.shape[2]
-    prefix = pos_embed[:, :T]                                           # (1, T, D): kept as is
-    grid = pos_embed[0, T:].reshape(gh, gw, D).astype(numpy.float64)    # (gh, gw, D)
-    grid = _linear_resize(grid, nh_, axis=0)                            # (gh', gw, D)
-    grid = _linear_resize(grid, nw, axis=1)                             # (gh', gw', D)
-    grid = grid.reshape(1, nh_ * nw, D).astype(pos_embed.dtype)         # (1, gh'*gw', D)
-    return numpy.concatenate([prefix, grid], axis=1)                    # (1, T + gh'*gw', D)
-
-
-def _linear_resize(a, n_new, axis):
-    """Linear interpolation of a along axis to n_new samples, the first and last samples kept
-    (corners aligned): new sample j sits at old position j (n_old - 1) / (n_new - 1)."""
-    n_old = a.shape[axis]
-    pos = numpy.linspace(0.0, n_old - 1, n_new)                # where each new sample sits, in old units
-    lo = numpy.minimum(numpy.floor(pos).astype(int), n_old - 1)
-    hi = numpy.minimum(lo + 1, n_old - 1)
-    w = (pos - lo).reshape([-1 if i == axis else 1 for i in range(a.ndim)])   # broadcast along axis
-    return (1.0 - w) * numpy.take(a, lo, axis=axis) + w * numpy.take(a, hi, axis=axis)
-
-
 def resize_state_dict(config, state, img_size):
     """(config, state) for images of img_size, same patch size: the position embeddings resized with
-    resize_pos_embed, everything else as it is. Returns (new config, new state)."""
+    layers.resize_pos_embed, everything else as it is. Returns (new config, new state)."""
     new_config = dataclasses.replace(config, img_size=img_size)   # checks that P divides img_size
     if new_config.grid_size == config.grid_size:
         return new_config, dict(state)
+    if config.pos_embed != "learned":
+        raise ValueError(f"only the learned 1-D table (pos_embed='learned') is resized for another patch grid; "
+                         f"this checkpoint has pos_embed={config.pos_embed!r}")
     state = dict(state)
     T = 1 if config.pool == "cls" else 0
-    state["pos_embed"] = resize_pos_embed(state["pos_embed"], config.grid_size, new_config.grid_size, T)
+    state["pos_embed"] = resize_pos_embed(_as_numpy(state["pos_embed"]), config.grid_size, new_config.grid_size, T)
     return new_config, state
 
 
@@ -614,7 +562,6 @@ def load_checkpoint_file(path, num_heads=None, img_size=None, gelu=None, num_cla
 
 def _from_minivit_checkpoint(path, params, num_heads, img_size, gelu, num_classes):
     """A checkpoint written by minivit.checkpoint (the trainer's): its config is in its metadata."""
-    from .checkpoint import load_checkpoint   # the trainer's format; it builds on model.py, as this file
     what = f"the minivit checkpoint {os.fspath(path)!r}"
     config = ViTConfig.from_dict(load_checkpoint(path)["meta"]["config"])
     if num_heads is not None and num_heads != config.num_heads:
@@ -623,5 +570,37 @@ def _from_minivit_checkpoint(path, params, num_heads, img_size, gelu, num_classe
         raise ValueError(f"img_size={img_size}, but {what} was saved for {config.img_size}")
     if gelu is not None:
         config = dataclasses.replace(config, gelu=gelu)
-    _check_arrays(what, params, expected_shapes(config))
+    _check_arrays(what, params, param_shapes(config))
     return _finish_head(config, params, config.num_classes, num_classes, what)
+
+
+# --------------------------------------------------------------------------------------------------
+# A ViT with published weights, in one call
+# --------------------------------------------------------------------------------------------------
+
+
+def from_pretrained(path, num_classes=None, img_size=None, num_heads=None, gelu=None, seed=0, dtype="float32",
+                    checkpoint_img_size=None, verbose=True, new_head=False):
+    """A ViT with the weights of a published checkpoint, in one call: the original JAX release's
+    .npz, timm's .safetensors / .pth / .bin, or a minivit.checkpoint .npz (told by the content).
+
+    num_classes: None keeps the checkpoint's head; another number puts a zero-initialised D -> K
+        head in its place and drops any representation layer, as the paper fine-tunes (§3.1).
+    img_size: None keeps the checkpoint's resolution; another one (same patch size, so another
+        patch grid) resizes the position embeddings as ViT.resize_pos_embed does (§3.2).
+    num_heads: needed only for a timm file whose width is not a preset's (192, 384, 768, 1024, 1280).
+    gelu: "erf" or "tanh"; by default "tanh" for the JAX release (Flax's GELU), "erf" for timm.
+    checkpoint_img_size: the resolution the checkpoint was trained at, needed only for a
+        non-square patch grid (a square one is read from the position embeddings' length).
+    new_head: True zero-initialises the head even when num_classes is the checkpoint's own.
+    Example: minivit.from_pretrained("ViT-B_16.npz", num_classes=10, img_size=384) for CIFAR-10.
+    """
+    config, state = load_checkpoint_file(path, num_heads=num_heads, img_size=checkpoint_img_size,
+                                         gelu=gelu, num_classes=num_classes, verbose=verbose)
+    if img_size is not None:
+        config, state = resize_state_dict(config, state, img_size)
+    model = ViT(config, seed=seed, dtype=dtype).load_state_dict(state)
+    if new_head:
+        for p in model.head.params.values():
+            p[...] = 0                           # the paper's zero-initialised fine-tuning head
+    return model

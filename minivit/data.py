@@ -13,6 +13,7 @@ lists, bytes and numbers.
 """
 
 import codecs
+import functools
 import gzip
 import hashlib
 import io
@@ -364,20 +365,30 @@ def _image_files(class_dir):
     return paths
 
 
-def read_image(path, img_size):
+def read_image(path, img_size, mode="RGB"):
     """One image file as uint8 (H, W, 3): converted to RGB (grey, palette, alpha dropped) and resized
-    with bicubic interpolation to img_size = (H, W). A ValueError names a file Pillow cannot read."""
-    from PIL import Image  # imported here: only the folder data set needs Pillow
+    with bicubic interpolation to img_size = (H, W); with mode="L", grey (H, W, 1). 16-bit grey images
+    are scaled to 8 bits (65535 -> 255), not clipped. A ValueError names a file Pillow cannot read, or
+    one too large to decode safely (Pillow's decompression-bomb limit, Image.MAX_IMAGE_PIXELS)."""
+    from PIL import Image  # imported here: only the folder data set and predict need Pillow
 
     H, W = _check_img_size(img_size)
+    if mode not in ("RGB", "L"):
+        raise ValueError(f"mode must be 'RGB' or 'L', got {mode!r}")
     try:
         with Image.open(path) as im:
-            im = im.convert("RGB")
+            if im.mode.startswith("I;16") or im.mode == "I":   # 16-bit grey: Pillow's convert would clip at 255
+                wide = numpy.asarray(im).astype(numpy.float64)  # (h, w) in 0..65535
+                im = Image.fromarray(numpy.rint(wide / 257.0).clip(0, 255).astype(numpy.uint8))
+            im = im.convert(mode)
             if im.size != (W, H):  # Pillow sizes are (width, height)
                 im = im.resize((W, H), Image.Resampling.BICUBIC)
-            return numpy.asarray(im, dtype=numpy.uint8)  # (H, W, 3)
+            arr = numpy.asarray(im, dtype=numpy.uint8)  # (H, W, 3), or (H, W) for "L"
+    except Image.DecompressionBombError as err:
+        raise ValueError(f"{path}: too large to decode safely ({err})") from None
     except (OSError, ValueError, SyntaxError) as err:  # UnidentifiedImageError is an OSError
         raise ValueError(f"{path}: not a readable image ({err})") from None
+    return arr[..., None] if arr.ndim == 2 else arr  # (H, W, C)
 
 
 def _read_split(split_dir, classes, img_size):
@@ -543,9 +554,17 @@ def make_shapes(num_train=10000, num_test=2000, seed=0, img_size=32):
         raise ValueError(f"num_train and num_test must be >= 0, got {num_train} and {num_test}")
     if img_size < 8:
         raise ValueError(f"img_size must be at least 8 pixels, got {img_size}")
-    train_seq, test_seq = numpy.random.SeedSequence(int(seed)).spawn(2)  # independent streams
-    train = _draw_shapes(int(num_train), numpy.random.default_rng(train_seq), int(img_size))
-    test = _draw_shapes(int(num_test), numpy.random.default_rng(test_seq), int(img_size))
+    train, test = _drawn_shapes(int(num_train), int(num_test), int(seed), int(img_size))
+    return tuple(a.copy() for a in train), tuple(a.copy() for a in test)  # the caller may change its copy
+
+
+@functools.lru_cache(maxsize=2)
+def _drawn_shapes(num_train, num_test, seed, img_size):
+    """make_shapes' arrays, drawn once per process for each setting (drawing 12,000 images takes seconds;
+    the tests and lessons ask for the same set again and again)."""
+    train_seq, test_seq = numpy.random.SeedSequence(seed).spawn(2)  # independent streams
+    train = _draw_shapes(num_train, numpy.random.default_rng(train_seq), img_size)
+    test = _draw_shapes(num_test, numpy.random.default_rng(test_seq), img_size)
     return train, test
 
 

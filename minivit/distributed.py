@@ -188,6 +188,11 @@ class MPIComm:
         with self.watchdog(what):
             return bool(self.comm.allreduce(bool(flag), op=self.MPI.LOR))
 
+    def max(self, value, what="a maximum over the ranks"):
+        """The largest of every rank's int value, on every rank."""
+        with self.watchdog(what):
+            return int(self.comm.allreduce(int(value), op=self.MPI.MAX))
+
     def broadcast(self, obj, root=0, what="a broadcast"):
         """Rank root's obj (any picklable value), on every rank."""
         with self.watchdog(what):
@@ -289,12 +294,33 @@ _world = None   # the communicator of this process, once made
 
 def init(backend_name=None, timeout=None):
     """The communicator of this process, made once: None when no MPI launcher started it (one process,
-    nothing imported), NCCLComm when the backend is 'cupy' (default: the current one), else MPIComm."""
+    nothing imported), NCCLComm when the backend is 'cupy' (default: the current one), else MPIComm.
+
+    With several ranks, from then on: ranks other than 0 print nothing (their stdout goes to os.devnull;
+    stderr, where errors go, stays), and an exception that nothing catches ends every rank (MPI_Abort),
+    since the others would otherwise wait for this one in their next collective."""
     global _world
     if _world is None and launched_by_mpi():
         name = backend.get_backend() if backend_name is None else backend_name
         _world = NCCLComm(timeout=timeout) if name == "cupy" else MPIComm(timeout=timeout)
+        if _world.rank != 0:
+            sys.stdout = open(os.devnull, "w")
+        sys.excepthook = _abort_on_uncaught
     return _world
+
+
+def _abort_on_uncaught(kind, value, traceback):
+    sys.__excepthook__(kind, value, traceback)
+    _world.abort(1)
+
+
+def exit_status(code):
+    """The exit of a rank with this status: after an error (any status but 0, 130 after Ctrl-C and 143 after
+    SIGTERM, where all ranks stop together) every rank is ended (MPI_Abort), because the others may be
+    waiting for this one. Returns code (for sys.exit) when there is nothing to end."""
+    if _world is not None and code not in (0, 130, 143):
+        _world.abort(code)
+    return code
 
 
 # --------------------------------------------------------------------------------------------------
@@ -327,6 +353,17 @@ def shard_range(n, rank, world_size):
     per, extra = divmod(n, world_size)
     start = rank * per + min(rank, extra)
     return start, start + per + (rank < extra)
+
+
+def shard(comm, x, y):
+    """This rank's share of a held-out split (x (N, ...), y (N,)): rows shard_range(N, r, R). Refused when
+    a rank would get none (its mean would be 0 / 0)."""
+    n = x.shape[0]
+    if n < comm.world_size:
+        raise ValueError(f"the held-out split has {n} images, fewer than the {comm.world_size} ranks that share "
+                         f"its evaluation")
+    start, stop = shard_range(n, comm.rank, comm.world_size)
+    return x[start:stop], y[start:stop]
 
 
 def rank_seed(seed_parts, rank):
@@ -442,6 +479,12 @@ class DataParallel:
         self.comm.allreduce(flat)                                         # (N,) sum_r g_r
         flat *= inv_R
         self.grads.unpack(self.model.grads)
+
+    def batch_metrics(self, loss, correct):
+        """The global batch's numbers from the ranks': the mean of their mean losses (equal slices), the sum of
+        their counts of correct answers. Every rank gets the same, so all take the same branch after it."""
+        loss_sum, correct_sum = self.comm.sum([loss, correct], what="the step's loss")
+        return loss_sum / self.comm.world_size, int(round(correct_sum))
 
     def unscale(self, scaler):
         """Divide the averaged gradients by the loss scale S; True when all of them are finite, on every

@@ -307,6 +307,8 @@ def cross_entropy(logits, labels, label_smoothing=0.0):
     if not 0.0 <= float(label_smoothing) < 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing!r}")
     B, K = logits.shape
+    if B == 0:
+        raise ValueError(f"got an empty batch: logits of shape {logits.shape} (the mean over 0 rows is undefined)")
     if get_array_module(labels) is not xp:
         raise TypeError(f"labels are a {type(labels).__module__} array but logits a {xp.__name__} one: "
                         "put both on the same device (minivit.asarray)")
@@ -320,6 +322,10 @@ def cross_entropy(logits, labels, label_smoothing=0.0):
             raise ValueError(f"labels must be in [0, {K}) for {K} classes, got values from {lo} to {hi}")
     elif labels.shape != logits.shape:
         raise ValueError(f"soft targets must have the logits' shape {logits.shape}, got {labels.shape}")
+    elif float(labels.min()) < 0 or float(abs(labels.sum(-1) - 1).max()) > 1e-3:
+        raise ValueError(f"soft targets must be probabilities: rows >= 0 that sum to 1, got values from "
+                         f"{float(labels.min()):.3g} and row sums from {float(labels.sum(-1).min()):.4g} "
+                         f"to {float(labels.sum(-1).max()):.4g}")
     loss, cache = cross_entropy_forward(logits, labels, label_smoothing)
     return float(loss), cross_entropy_backward(cache)
 

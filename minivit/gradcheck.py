@@ -14,14 +14,18 @@ and the relative error of a whole array is ||analytic - numeric|| / (||analytic|
 about 1e-10 for a right backward in float64, 1e-2 or worse for a wrong one.
 """
 
-from .backend import get_array_module, host_rng, is_array, asarray, backend_of, to_numpy
+from .backend import asarray, backend_of, get_array_module, host_rng, is_array, to_numpy
+from .layers import Dropout, Layer
 
 
 class GradcheckReport:
-    """Rows of (name, relative error, elements checked, elements total); ``ok`` when all are below tol."""
+    """Rows of (name, relative error, elements checked, elements total); ``ok`` when all are below tol.
+    ``samples[name]`` = (flat indices checked, analytic values, numeric values, the array's shape), as host
+    NumPy arrays: what minivit.check reads to say what is wrong with a gradient."""
 
-    def __init__(self, rows, tol):
+    def __init__(self, rows, tol, samples=None):
         self.rows, self.tol = rows, tol
+        self.samples = {} if samples is None else samples
 
     @property
     def worst(self):
@@ -60,16 +64,14 @@ def _relative_error(a, n):
 
 
 def _stochastic_parts(layer):
-    """Dropout layers with p > 0 anywhere inside ``layer`` (they make forward random)."""
-    found = []
-    if getattr(layer, "p", 0.0) and hasattr(layer, "rng"):
-        found.append(layer)
-    for child in getattr(layer, "children", {}).values():
-        found += _stochastic_parts(child)
-    return found
+    """Dropout layers with p > 0 anywhere inside ``layer`` (they make forward random); none inside an
+    object that is not a minivit Layer."""
+    parts = layer.sublayers() if isinstance(layer, Layer) else []
+    return [sub for sub in parts if isinstance(sub, Dropout) and sub.p > 0]
 
 
-def gradcheck(layer, x, dout=None, eps=1e-5, tol=1e-6, max_checks=200, seed=0, check_input=True, verbose=False):
+def gradcheck(layer, x, dout=None, eps=1e-5, tol=1e-6, max_checks=200, seed=0, check_input=True, verbose=False,
+              names=None):
     """Compare layer.backward with central differences of layer.forward, per input and per parameter.
 
     layer: an object with forward(x) -> out and backward(dout) -> dx; if it has ``params``/``grads``
@@ -78,6 +80,7 @@ def gradcheck(layer, x, dout=None, eps=1e-5, tol=1e-6, max_checks=200, seed=0, c
     dout: the upstream gradient, out's shape (default: random normal, seeded).
     eps: the finite-difference step; tol: the largest relative error accepted.
     max_checks: at most this many randomly chosen elements are checked per array (None: all).
+    names: check only these parameters (default: all).
     Returns a GradcheckReport; ``print`` it, or call ``.assert_ok()``.
     """
     if not is_array(x):
@@ -89,6 +92,9 @@ def gradcheck(layer, x, dout=None, eps=1e-5, tol=1e-6, max_checks=200, seed=0, c
     if low:
         raise TypeError("gradcheck needs float64 (float32 rounding swamps the finite differences); got "
                         + ", ".join(low) + ". Build the layer/model with dtype='float64' and use x.astype('float64').")
+    if names is not None and set(names) - set(params):
+        raise ValueError(f"names {sorted(set(names) - set(params))} are not parameters of this layer; "
+                         f"it has {list(params)}")
     random_parts = _stochastic_parts(layer)
     if random_parts:
         raise ValueError(f"gradcheck needs a deterministic forward, but {len(random_parts)} dropout/drop-path "
@@ -131,18 +137,52 @@ def gradcheck(layer, x, dout=None, eps=1e-5, tol=1e-6, max_checks=200, seed=0, c
             chosen = sorted(rng.choice(size, max_checks, replace=False).tolist())
         chosen = list(chosen)
         a = to_numpy(grad).reshape(-1)[chosen]
-        n = xp.asarray([numeric_at(array, i) for i in chosen]) if chosen else xp.zeros(0)
-        rows.append((name, _relative_error(a, to_numpy(n)), len(chosen), size))
+        n = to_numpy(xp.asarray([numeric_at(array, i) for i in chosen]) if chosen else xp.zeros(0))
+        rows.append((name, _relative_error(a, n), len(chosen), size))
+        samples[name] = (chosen, a, n, tuple(array.shape))
 
-    rows = []
+    rows, samples = [], {}
     if check_input:
         if dx is None or tuple(dx.shape) != tuple(x.shape):
             raise ValueError(f"backward must return dx of the input's shape {tuple(x.shape)}, "
                              f"got {None if dx is None else tuple(dx.shape)}")
         check("input", x, dx)
     for name, p in params.items():
-        check(name, p, analytic[name])
-    report = GradcheckReport(rows, tol)
+        if names is None or name in names:
+            check(name, p, analytic[name])
+    report = GradcheckReport(rows, tol, samples)
     if verbose:
         print(report)
     return report
+
+
+class PairLayer:
+    """A forward/backward pair of functions as a layer that gradcheck can check, inputs other than x
+    taken as parameters:
+
+        forward(x, *params) -> (out, cache)
+        backward(dout, cache) -> dx, or (dx, dparam_1, ...) in the order of ``params``
+
+    e.g. PairLayer(F.layernorm_forward, F.layernorm_backward, {"weight": w, "bias": b}). Give functions that
+    look the pair up when called (``lambda x: F.softmax_forward(x)``) to check the pair as it stands then."""
+
+    def __init__(self, forward, backward, params=None):
+        self.forward_fn, self.backward_fn = forward, backward
+        self.params = dict(params or {})
+        self.grads = {name: p * 0 for name, p in self.params.items()}
+        self.cache = None
+
+    def forward(self, x):
+        out, self.cache = self.forward_fn(x, *self.params.values())
+        return out
+
+    def backward(self, dout):
+        if not self.params:
+            return self.backward_fn(dout, self.cache)
+        dx, *dparams = self.backward_fn(dout, self.cache)
+        if len(dparams) != len(self.grads):
+            raise ValueError(f"backward must return dx and {len(self.grads)} parameter gradients "
+                             f"({', '.join(self.grads)}), got {1 + len(dparams)} arrays")
+        for g, d in zip(self.grads.values(), dparams):
+            g[...] = d
+        return dx

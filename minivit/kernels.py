@@ -30,7 +30,9 @@ does instead is one pass per forward or backward ("fusion"):
   the backward recomputes them (see its section, after the CuPy one).
 
 Only this module and backend.py touch CuPy, and this one only ever sees CuPy arrays that exist already
-(it never imports CuPy for a NumPy array).
+(it never imports CuPy for a NumPy array). Besides the twins it holds the optimizers' GPU updates (which
+ops.py also checks against functional.py) and dropout's device mask (dropout_keep_mask, a random number
+generator that layers.Dropout calls on the GPU: there is nothing to check it against).
 """
 
 import math
@@ -436,18 +438,51 @@ def _adamw(p, g, m, v, decay, b1, b2, one_minus_b1, one_minus_b2, step_size, inv
 
 
 def supports_adamw(*arrays):
-    """Whether adamw_update can take these arrays: float32 NumPy, C-contiguous (the GPU has none yet)."""
+    """Whether adamw_update can take these arrays: float32 CuPy arrays (one ElementwiseKernel), or float32
+    C-contiguous NumPy arrays with Numba (one loop)."""
+    if all(_is_cupy(a) and a.dtype == numpy.float32 for a in arrays):
+        return True
     return HAVE_NUMBA and all(isinstance(a, numpy.ndarray) and a.dtype == numpy.float32 and a.flags.c_contiguous
                               for a in arrays)
 
 
 def adamw_update(p, g, m, v, lr, beta1, beta2, eps, weight_decay, step):
-    """As functional.adamw_update: one AdamW step of one parameter, in place (p, m, v). Every constant is
-    worked out in float64 and rounded once (1 - b2 from a rounded b2 would be 1.3e-5 off)."""
+    """As functional.adamw_update: one AdamW step of one parameter, in place (p, m, v): one pass (Numba on
+    the CPU, one ElementwiseKernel launch on the GPU). Every constant is worked out in float64 and rounded
+    once (1 - b2 from a rounded b2 would be 1.3e-5 off)."""
     bias_c1, bias_c2 = 1 - beta1 ** step, 1 - beta2 ** step
-    _adamw(p.reshape(-1), g.reshape(-1), m.reshape(-1), v.reshape(-1), f32(1.0 - lr * weight_decay),
-           f32(beta1), f32(beta2), f32(1.0 - beta1), f32(1.0 - beta2), f32(lr / bias_c1),
-           f32(1.0 / math.sqrt(bias_c2)), f32(eps))
+    constants = (f32(1.0 - lr * weight_decay), f32(beta1), f32(beta2), f32(1.0 - beta1), f32(1.0 - beta2),
+                 f32(lr / bias_c1), f32(1.0 / math.sqrt(bias_c2)), f32(eps))
+    if _is_cupy(p):
+        _elementwise("minivit_adamw", _ADAMW_PARAMS, "T p, T m, T v", _ADAMW_BODY)(g, *constants, p, m, v)
+        return
+    _adamw(p.reshape(-1), g.reshape(-1), m.reshape(-1), v.reshape(-1), *constants)
+
+
+# ---- SGD with momentum: one pass over each parameter on the GPU --------------------------------------
+# The same update as functional.sgd_update, one value at a time (the CPU runs functional.sgd_update: its
+# three lines cost little next to NumPy's per-call overhead, and a Numba twin would buy nothing there):
+#   g_t = g + wd p;   b_t = mu b_{t-1} + g_t (b_0 = 0, so b_1 = g_1);   d_t = b_t, or g_t + mu b_t (nesterov)
+#   p <- p - lr d_t
+
+def supports_sgd(*arrays):
+    """Whether sgd_update can take these arrays: float32 CuPy arrays (momentum_buffer may be None)."""
+    return all(a is None or (_is_cupy(a) and a.dtype == numpy.float32) for a in arrays)
+
+
+def sgd_update(p, g, momentum_buffer, lr, momentum, nesterov, weight_decay):
+    """As functional.sgd_update, on the GPU: one ElementwiseKernel launch (two on the first step, which
+    makes the buffer). Returns the momentum buffer (None when momentum is 0)."""
+    cp = _cupy()
+    T = p.dtype.type
+    if momentum == 0:
+        _elementwise("minivit_sgd", "T g, T lr, T wd", "T p", _SGD_BODY)(g, T(lr), T(weight_decay), p)
+        return None
+    if momentum_buffer is None:
+        momentum_buffer = cp.zeros_like(p)                     # b_0 = 0: then b_1 = mu 0 + g_1 = g_1 exactly
+    _elementwise("minivit_sgd_momentum", "T g, T lr, T mu, T wd, bool nesterov", "T p, T b", _SGD_MOMENTUM_BODY)(
+        g, T(lr), T(momentum), T(weight_decay), numpy.bool_(nesterov), p, momentum_buffer)
+    return momentum_buffer
 
 
 # ---- Linear: the same products as functional.linear_*, two speed choices ----------------------------
@@ -495,7 +530,7 @@ def linear_backward(dout, cache):
 # CuPy (GPU): fused kernels, compiled on first use
 # ==================================================================================================
 
-_compiled = {}
+_compiled = {}   # every compiled CuPy kernel, by name (made on first use)
 
 
 def _cupy():
@@ -522,6 +557,30 @@ _GELU_TANH_BWD = """
     T t = tanh((T)0.79788456080286536 * (x + (T)0.044715 * x * x * x));
     T dt = ((T)1 - t * t) * (T)0.79788456080286536 * ((T)1 + (T)0.134145 * x * x);
     dx = dout * ((T)0.5 * ((T)1 + t) + (T)0.5 * x * dt);"""
+
+# The optimizers (their sections above, with the CPU's): each parameter's update in one launch, the
+# arrays named as in functional.py; p, m, v (p, b) are written in place.
+_ADAMW_PARAMS = "T g, T decay, T b1, T b2, T one_minus_b1, T one_minus_b2, T step_size, T inv_sqrt_bc2, T eps"
+_ADAMW_BODY = """
+    m = b1 * m + one_minus_b1 * g;                                // m_t = b1 m + (1 - b1) g
+    v = b2 * v + one_minus_b2 * (g * g);                          // v_t = b2 v + (1 - b2) g^2
+    p = p * decay - step_size * (m / (sqrt(v) * inv_sqrt_bc2 + eps));"""
+_SGD_BODY = "p = p - lr * (g + wd * p);"
+_SGD_MOMENTUM_BODY = """
+    T gt = g + wd * p;                                            // g_t = g + wd p
+    b = mu * b + gt;                                              // b_t = mu b_{t-1} + g_t
+    T d = nesterov ? gt + mu * b : b;                             // d_t
+    p = p - lr * d;"""
+
+# Dropout's keep mask, drawn on the GPU: element i gets the splitmix64 hash of (seed, i), a counter-based
+# generator (no state but the seed, so nothing lives on the device between calls), and is kept when the
+# top 24 bits, uniform in [0, 2^24), are >= threshold = round(p 2^24): with probability 1 - p (to 2^-24).
+_KEEP_MASK_BODY = """
+    unsigned long long z = seed + (unsigned long long)i * 0x9E3779B97F4A7C15ULL;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+    z = z ^ (z >> 31);
+    keep = (z >> 40) >= threshold;"""
 
 # Row-wise kernels: one thread block per row, a tree reduction in shared memory.
 _ROW_SOURCE = r"""
@@ -649,13 +708,19 @@ extern "C" __global__ void softmax_lse_bwd(T* s, T* dp, const T* lse, int n, T s
 
 
 def _row_kernel(name, dtype):
-    """A compiled row kernel for float32 or float64 (one module per dtype)."""
-    cp = _cupy()
+    """A compiled row kernel for float32 or float64 (one module per dtype, each function looked up once)."""
     T = {"float32": "float", "float64": "double"}[numpy.dtype(dtype).name]
-    key = ("rows", T)
+    key = ("rows", T, name)
     if key not in _compiled:
-        _compiled[key] = cp.RawModule(code=_ROW_SOURCE % {"T": T})
-    return _compiled[key].get_function(name)
+        if ("rows", T) not in _compiled:
+            _compiled[("rows", T)] = _cupy().RawModule(code=_ROW_SOURCE % {"T": T})
+        _compiled[key] = _compiled[("rows", T)].get_function(name)
+    return _compiled[key]
+
+
+def _gpu_rows(x):
+    """x as a C-contiguous (rows, last axis) CuPy array (rows counted, so an empty last axis works too)."""
+    return _cupy().ascontiguousarray(x).reshape(math.prod(x.shape[:-1]), x.shape[-1])
 
 
 def _launch_rows(name, n_rows, row_len, dtype, args):
@@ -663,16 +728,13 @@ def _launch_rows(name, n_rows, row_len, dtype, args):
     threads = 32
     while threads < min(row_len, 256):
         threads *= 2
-    if n_rows:
+    if n_rows and row_len:                      # an empty row has nothing to compute (and no s[base] to read)
         _row_kernel(name, dtype)((n_rows,), (threads,), args, shared_mem=threads * numpy.dtype(dtype).itemsize)
-
-
-_colsum_prod = None
 
 
 def _gpu_layernorm_forward(x, weight, bias, eps):
     cp = _cupy()
-    x2 = cp.ascontiguousarray(x).reshape(-1, x.shape[-1])     # (R, D)
+    x2 = _gpu_rows(x)                                         # (R, D)
     R, D = x2.shape
     y, xhat = cp.empty_like(x2), cp.empty_like(x2)
     rstd = cp.empty((R,), x2.dtype)
@@ -682,26 +744,25 @@ def _gpu_layernorm_forward(x, weight, bias, eps):
 
 
 def _gpu_layernorm_backward(dout, cache):
-    global _colsum_prod
     cp = _cupy()
     xhat, rstd, weight = cache
     D = xhat.shape[-1]
-    xh2 = cp.ascontiguousarray(xhat).reshape(-1, D)
-    d2 = cp.ascontiguousarray(dout).reshape(-1, D)
+    xh2, d2 = _gpu_rows(xhat), _gpu_rows(dout)                # (R, D) each
     R = d2.shape[0]
     dx = cp.empty_like(d2)
     _launch_rows("layernorm_bwd", R, D, d2.dtype,
                  (d2, xh2, cp.ascontiguousarray(rstd).reshape(-1), cp.ascontiguousarray(weight), dx, numpy.int32(D)))
-    if _colsum_prod is None:
-        _colsum_prod = cp.ReductionKernel("T g, T h", "T y", "g * h", "a + b", "y = a", "0", "minivit_colsum_prod")
-    dweight = _colsum_prod(d2, xh2, axis=0)                   # (D,) sum of dout * xhat, one kernel
+    if "colsum_prod" not in _compiled:
+        _compiled["colsum_prod"] = cp.ReductionKernel("T g, T h", "T y", "g * h", "a + b", "y = a", "0",
+                                                      "minivit_colsum_prod")
+    dweight = _compiled["colsum_prod"](d2, xh2, axis=0)       # (D,) sum of dout * xhat, one kernel
     dbias = d2.sum(0)                                         # (D,)
     return dx.reshape(dout.shape), dweight, dbias
 
 
 def _gpu_softmax_forward(x):
     cp = _cupy()
-    x2 = cp.ascontiguousarray(x).reshape(-1, x.shape[-1])
+    x2 = _gpu_rows(x)                                         # (R, n)
     y = cp.empty_like(x2)
     _launch_rows("softmax_fwd", x2.shape[0], x2.shape[1], x2.dtype, (x2, y, numpy.int32(x2.shape[1])))
     y = y.reshape(x.shape)
@@ -711,8 +772,7 @@ def _gpu_softmax_forward(x):
 def _gpu_softmax_backward(dout, s):
     cp = _cupy()
     n = s.shape[-1]
-    d2 = cp.ascontiguousarray(dout).reshape(-1, n)
-    s2 = cp.ascontiguousarray(s).reshape(-1, n)
+    d2, s2 = _gpu_rows(dout), _gpu_rows(s)                    # (R, n) each
     dx = cp.empty_like(d2)
     _launch_rows("softmax_bwd", d2.shape[0], n, d2.dtype, (d2, s2, dx, numpy.int32(n)))
     return dx.reshape(dout.shape)
@@ -755,10 +815,13 @@ def _gpu_softmax_lse_bwd(s, dp, lse, scale):
 # Tried and dropped: the per-head products as Numba loops (2.2x slower than BLAS).
 #
 # GPU: the chunks only bound the memory the scores take (ViT-B/16 at batch 128: 238 MB, one chunk). The
-# kernels queue one after the other on CuPy's stream: one worker, no Python threads. CuPy's batched
-# matmul copies a strided or transposed operand into a contiguous one first, and writes a
-# non-contiguous out= through a temporary (cupy/_core/_routines_linalg.pyx): p^T and ds^T in the
-# backward are such copies, chunk-sized, freed at once, never kept.
+# kernels queue one after the other on CuPy's stream: one worker, no Python threads. The products are
+# cuBLAS's strided batched GEMM, called directly (_gpu_matmul, below), not CuPy's matmul: that one copies
+# every operand that is not C-contiguous (k^T, p^T, ds^T: two of them N x N) and writes a non-contiguous
+# out= through a temporary (cupy/_core/_routines_linalg.pyx), and it multiplies in plain FP32 even with
+# CUPY_TF32=1. So q, k, v (and dctx) are made contiguous once per pass, (3, B, nh, N, hs), a transposed
+# operand is handed to cuBLAS as "transposed" (no copy), each product writes into a contiguous array,
+# and the heads go back side by side in one copy at the end. TF32: when CUPY_TF32=1 (tf32_enabled()).
 
 CHUNK_BYTES = 512 * 1024  # a chunk's (b, nh, N, N) scores on the CPU: at most about this many bytes (fits in L2)
 GPU_CHUNK_BYTES = 256 << 20  # on the GPU, only to bound the scores' memory: at most about this many bytes
@@ -831,20 +894,23 @@ def _fused_attention_forward(qkv, num_heads):
     gpu = _is_cupy(qkv)
     xp = _cupy() if gpu else numpy
     softmax_lse = _gpu_softmax_lse if gpu else _softmax_lse      # the row kernel: CUDA or Numba
+    matmul = _gpu_matmul if gpu else numpy.matmul                # cuBLAS (see above) or BLAS
     B, N, D3 = qkv.shape
     D = D3 // 3
-    q, k, v = _three_heads(qkv, num_heads)                       # (B, nh, N, hs) views each
+    q, k, v = _attention_operands(qkv, num_heads, gpu)           # (B, nh, N, hs) each
     scale = f32(1.0 / math.sqrt(D // num_heads))
     out = xp.empty((B, N, D), qkv.dtype)                         # (B, N, D), heads side by side
     lse = xp.empty((B, num_heads, N), qkv.dtype)                 # (B, nh, N)
-    out_heads = _heads(out, num_heads)                           # (B, nh, N, hs) view of out
+    ctx = xp.empty_like(q) if gpu else _heads(out, num_heads)    # (B, nh, N, hs): contiguous, or a view of out
 
     def chunk(b0, b1):
-        s = q[b0:b1] @ k[b0:b1].swapaxes(-1, -2)                 # (b, nh, N, N)  q.k
+        s = matmul(q[b0:b1], k[b0:b1].swapaxes(-1, -2))          # (b, nh, N, N)  q.k
         softmax_lse(s.reshape(-1, N), scale, lse[b0:b1].reshape(-1))   # s -> attention weights p
-        xp.matmul(s, v[b0:b1], out=out_heads[b0:b1])             # (b, nh, N, hs)  p v, into place
+        matmul(s, v[b0:b1], out=ctx[b0:b1])                      # (b, nh, N, hs)  p v, into place
 
     _run_chunks(chunk, B, num_heads, N, qkv.itemsize, gpu)
+    if gpu:
+        _heads(out, num_heads)[...] = ctx                        # the heads side by side: one copy
     return out, AttentionCache(qkv, lse, num_heads)
 
 
@@ -853,25 +919,117 @@ def _fused_attention_backward(dout, cache):
     gpu = _is_cupy(qkv)
     xp = _cupy() if gpu else numpy
     softmax_lse_bwd = _gpu_softmax_lse_bwd if gpu else _softmax_lse_bwd
+    matmul = _gpu_matmul if gpu else numpy.matmul
     B, N, D3 = qkv.shape
     D = D3 // 3
-    q, k, v = _three_heads(qkv, num_heads)                       # (B, nh, N, hs) views each
+    q, k, v = _attention_operands(qkv, num_heads, gpu)           # (B, nh, N, hs) each
     scale = f32(1.0 / math.sqrt(D // num_heads))
-    dqkv = xp.empty(qkv.shape, qkv.dtype)                        # (B, N, 3D), every value written
-    dq, dk, dv = _three_heads(dqkv, num_heads)                   # views into dqkv
-    dctx = _heads(dout, num_heads)                               # (B, nh, N, hs)
+    if gpu:                                                      # contiguous: dq, dk, dv; dctx copied once
+        dheads = xp.empty((3,) + q.shape, qkv.dtype)             # (3, B, nh, N, hs)
+        dq, dk, dv = dheads[0], dheads[1], dheads[2]
+        dctx = xp.ascontiguousarray(_heads(dout, num_heads))     # (B, nh, N, hs)
+    else:
+        dqkv = xp.empty(qkv.shape, qkv.dtype)                    # (B, N, 3D), every value written
+        dq, dk, dv = _three_heads(dqkv, num_heads)               # views into dqkv
+        dctx = _heads(dout, num_heads)                           # (B, nh, N, hs) view
 
     def chunk(b0, b1):
         c = slice(b0, b1)
-        s = q[c] @ k[c].swapaxes(-1, -2)                         # (b, nh, N, N)  q.k, again
-        dp = dctx[c] @ v[c].swapaxes(-1, -2)                     # (b, nh, N, N)  dL/dp = dctx v^T
+        s = matmul(q[c], k[c].swapaxes(-1, -2))                  # (b, nh, N, N)  q.k, again
+        dp = matmul(dctx[c], v[c].swapaxes(-1, -2))              # (b, nh, N, N)  dL/dp = dctx v^T
         softmax_lse_bwd(s.reshape(-1, N), dp.reshape(-1, N), lse[c].reshape(-1), scale)  # s -> p, dp -> ds
-        xp.matmul(s.swapaxes(-1, -2), dctx[c], out=dv[c])        # dv = p^T dctx
-        xp.matmul(dp, k[c], out=dq[c])                           # dq = ds k
-        xp.matmul(dp.swapaxes(-1, -2), q[c], out=dk[c])          # dk = ds^T q
+        matmul(s.swapaxes(-1, -2), dctx[c], out=dv[c])           # dv = p^T dctx
+        matmul(dp, k[c], out=dq[c])                              # dq = ds k
+        matmul(dp.swapaxes(-1, -2), q[c], out=dk[c])             # dk = ds^T q
 
     _run_chunks(chunk, B, num_heads, N, qkv.itemsize, gpu)
+    if gpu:                                                      # (3, B, nh, N, hs) -> (B, N, 3, nh, hs): one copy
+        dqkv = xp.ascontiguousarray(dheads.transpose(1, 3, 0, 2, 4)).reshape(qkv.shape)
     return dqkv
+
+
+def _attention_operands(qkv, num_heads, gpu):
+    """q, k, v, each (B, nh, N, hs). CPU: views into qkv (NumPy's matmul takes strided operands). GPU: made
+    contiguous, in one copy of all three: cuBLAS takes a batch of matrices at one stride only."""
+    if not gpu:
+        return _three_heads(qkv, num_heads)
+    B, N, D3 = qkv.shape
+    heads = qkv.reshape(B, N, 3, num_heads, D3 // (3 * num_heads)).transpose(2, 0, 3, 1, 4)  # (3, B, nh, N, hs)
+    heads = _cupy().ascontiguousarray(heads)
+    return heads[0], heads[1], heads[2]
+
+
+# ---- batched matrix products on the GPU, through cuBLAS (see the GPU note above) --------------------
+
+def tf32_enabled():
+    """Whether float32 products on the GPU may use TF32 (10-bit mantissa inputs, float32 sums): when
+    CUPY_TF32 is 1, which is also what makes CuPy's own 2-D products use it."""
+    try:
+        return int(os.environ.get("CUPY_TF32", "0") or 0) > 0
+    except ValueError:
+        return False
+
+
+def _batch_layout(a):
+    """How cuBLAS can read the matrices of a (..., r, c) CuPy array: (count, batch stride, transposed,
+    leading dimension), strides in elements; None when the leading axes are not one even stride or a
+    matrix is neither C-contiguous nor the transpose of a C-contiguous one (then it is copied first).
+    transposed=False: row-major (ld = row stride); True: the transpose of a row-major (ld = column stride)."""
+    *lead, r, c = a.shape
+    strides = [st // a.itemsize for st in a.strides]
+    count, batch_stride = 1, 0
+    for n, st in zip(reversed(lead), reversed(strides[:-2])):   # innermost leading axis first
+        if n == 1:
+            continue
+        if count > 1 and st != batch_stride * count:
+            return None
+        batch_stride = st if count == 1 else batch_stride
+        count *= n
+    rs, cs = strides[-2:]
+    if cs == 1 or c == 1:
+        return count, batch_stride, False, rs if r > 1 else c
+    if rs == 1 or r == 1:
+        return count, batch_stride, True, cs if c > 1 else r
+    return None
+
+
+def _gpu_matmul(a, b, out=None):
+    """out = a @ b for CuPy arrays (..., M, K) @ (..., K, N) with the same leading axes, by one strided
+    batched GEMM. a, b: C-contiguous matrices or transposed views of them; out: C-contiguous (made if None).
+    cuBLAS is column-major: a row-major C is a column-major C^T, so it computes C^T = b^T a^T."""
+    cp = _cupy()
+    M, K = a.shape[-2:]
+    N = b.shape[-1]
+    if out is None:
+        out = cp.empty(a.shape[:-1] + (N,), a.dtype)
+    la, lb, lc = _batch_layout(a), _batch_layout(b), _batch_layout(out)
+    if la is None:
+        a = cp.ascontiguousarray(a)
+        la = _batch_layout(a)
+    if lb is None:
+        b = cp.ascontiguousarray(b)
+        lb = _batch_layout(b)
+    if lc is None or lc[2] or not (la[0] == lb[0] == lc[0]):
+        raise ValueError(f"_gpu_matmul: out {out.shape} must be C-contiguous with the operands' batch")
+    if out.size == 0:
+        return out
+    if K == 0:
+        out.fill(0)
+        return out
+    from cupy.cuda import cublas, device, runtime
+
+    if a.dtype == numpy.float64:
+        data_type, compute = runtime.CUDA_R_64F, cublas.CUBLAS_COMPUTE_64F
+    else:
+        data_type = runtime.CUDA_R_32F
+        compute = cublas.CUBLAS_COMPUTE_32F_FAST_TF32 if tf32_enabled() else cublas.CUBLAS_COMPUTE_32F
+    one, zero = numpy.ones(1, a.dtype), numpy.zeros(1, a.dtype)          # alpha, beta: read from the host
+    op = {False: cublas.CUBLAS_OP_N, True: cublas.CUBLAS_OP_T}
+    cublas.gemmStridedBatchedEx(
+        device.get_cublas_handle(), op[lb[2]], op[la[2]], N, M, K, one.ctypes.data,
+        b.data.ptr, data_type, lb[3], lb[1], a.data.ptr, data_type, la[3], la[1], zero.ctypes.data,
+        out.data.ptr, data_type, lc[3], lc[1], lc[0], compute, cublas.CUBLAS_GEMM_DEFAULT)
+    return out
 
 
 # ==================================================================================================
@@ -895,6 +1053,17 @@ def gelu_backward(dout, cache):
         body = _GELU_ERF_BWD if approximate == "erf" else _GELU_TANH_BWD
         return _elementwise(f"minivit_gelu_{approximate}_bwd", "T dout, T x", "T dx", body)(dout, x)
     return _gelu_cpu(x, dout, approximate)
+
+
+def dropout_keep_mask(shape, p, seed):
+    """A boolean CuPy array of the given shape, each value True with probability 1 - p, drawn on the GPU
+    in one launch from seed (an integer in [0, 2^63)): the same seed gives the same mask. Not a twin of a
+    pair: layers.Dropout calls it on the GPU (on the CPU it draws its mask on the host, value by value)."""
+    keep = _cupy().empty(shape, dtype=numpy.bool_)
+    threshold = numpy.uint64(round(p * (1 << 24)))
+    _elementwise("minivit_keep_mask", "uint64 seed, uint64 threshold", "bool keep", _KEEP_MASK_BODY)(
+        numpy.uint64(seed), threshold, keep)
+    return keep
 
 
 def layernorm_forward(x, weight, bias, eps=1e-6):

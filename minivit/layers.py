@@ -16,10 +16,8 @@ has checked against functional.py as it stands (so an edit there is what runs). 
 layer's forward or backward here, or in a layer class of your own, is what runs.
 """
 
-import warnings
-
 from . import functional as F
-from . import ops
+from . import kernels, ops
 from .backend import asarray, backend_module, backend_of, get_array_module, host_rng
 
 
@@ -74,11 +72,17 @@ class Layer:
                 self.params[prefix + key] = child.params[key]
                 self.grads[prefix + key] = child.grads[key]
 
+    def named_sublayers(self, prefix=""):
+        """(name, layer) for this layer and every layer inside it, depth first: the one walk over a model
+        (checkpoints name dropout layers by it, gradcheck and the profiler find layers with it). A name is
+        the prefix of the layer's parameters, "blocks.0.attn"; this layer is ``prefix`` ("" by default)."""
+        yield prefix, self
+        for name, child in self.children.items():
+            yield from child.named_sublayers(".".join(part for part in (prefix, name) if part))
+
     def sublayers(self):
-        """This layer and every layer inside it, depth first."""
-        yield self
-        for child in self.children.values():
-            yield from child.sublayers()
+        """This layer and every layer inside it, depth first (named_sublayers without the names)."""
+        return (layer for _, layer in self.named_sublayers())
 
     def zero_grad(self):
         for g in self.grads.values():
@@ -117,68 +121,6 @@ class Layer:
 
     def extra_repr(self):
         return ""
-
-
-class Classifier(Layer):
-    """A model made of named stages run in order, ending in logits: the ViT and the ResNet baseline.
-    A subclass defines ``stages()`` -> [(name, layer)], ``check_input(x)``, ``config.num_classes`` and
-    a ``head``; forward runs the stages in order and backward runs them in reverse."""
-
-    def forward(self, x):
-        """x: float images (B, H, W, C), channels last. Returns logits (B, K)."""
-        self.check_input(x)
-        for _, layer in self.stages():
-            x = layer.forward(x)
-        return x
-
-    def backward(self, dlogits):
-        """dlogits: (B, K), e.g. from minivit.cross_entropy. Returns dx (B, H, W, C)."""
-        K = self.config.num_classes
-        if not hasattr(dlogits, "ndim") or dlogits.ndim != 2 or dlogits.shape[1] != K:
-            raise ValueError(f"dlogits must be an array (B, {K}), got {getattr(dlogits, 'shape', type(dlogits))}")
-        dx = dlogits
-        for _, layer in reversed(self.stages()):
-            dx = layer.backward(dx)
-        return dx
-
-    def __call__(self, x):
-        return self.forward(x)
-
-    def num_params(self):
-        """The number of parameters, counted from the allocated arrays."""
-        return sum(int(p.size) for p in self.params.values())
-
-    @property
-    def backend(self):
-        """'numpy' or 'cupy': where the parameters live."""
-        return backend_of(self.params["head.weight"])   # every classifier has a head
-
-    def set_matmul_dtype(self, matmul_dtype):
-        """Mixed precision (minivit/amp.py): "float16" makes every Linear layer multiply in float16, the
-        parameters, gradients and everything else staying float32; None (or "float32") undoes it.
-        Train with an amp.LossScaler, so that small gradients do not round to zero in float16."""
-        if matmul_dtype == "float32":
-            matmul_dtype = None
-        if matmul_dtype == "bfloat16":
-            raise ValueError("matmul_dtype 'bfloat16' is not available: neither NumPy nor CuPy has a bfloat16 "
-                             "dtype; use 'float16' (with a LossScaler) or None")
-        if matmul_dtype not in (None, "float16"):
-            raise ValueError(f"matmul_dtype must be 'float16', 'float32' or None, got {matmul_dtype!r}")
-        if matmul_dtype is not None and self.dtype != "float32":
-            raise ValueError(f"mixed precision needs a float32 model (float32 master weights), this one is {self.dtype}")
-        if matmul_dtype is not None and self.backend == "numpy":
-            warnings.warn("float16 matrix products on NumPy run without BLAS, a few hundred times slower than "
-                          "float32: mixed precision pays on the GPU (CuPy, tensor cores); on the CPU it is for "
-                          "tests and lessons", RuntimeWarning, stacklevel=2)
-        for layer in self.sublayers():
-            if isinstance(layer, Linear):
-                layer.matmul_dtype = matmul_dtype
-        return self
-
-    @property
-    def matmul_dtype(self):
-        """None, or "float16" when set_matmul_dtype made the Linear layers multiply in float16."""
-        return self.head.matmul_dtype
 
 
 class Linear(Layer):
@@ -238,13 +180,18 @@ class LayerNorm(Layer):
         return f"{self.dim}, eps={self.eps}"
 
 
+def check_gelu(approximate):
+    """The GELU rule, for the layer and for ViTConfig.gelu: one of functional.GELU_KINDS."""
+    if approximate not in F.GELU_KINDS:
+        raise ValueError(f"gelu must be one of {F.GELU_KINDS}, got {approximate!r}")
+
+
 class GELU(Layer):
     """gelu(x) = x Phi(x); approximate="erf" (exact, timm) or "tanh" (the JAX checkpoints)."""
 
     def __init__(self, approximate="erf"):
         super().__init__()
-        if approximate not in F.GELU_KINDS:
-            raise ValueError(f"GELU approximate must be one of {F.GELU_KINDS}, got {approximate!r}")
+        check_gelu(approximate)
         self.approximate = approximate
 
     def forward(self, x):
@@ -262,21 +209,30 @@ class GELU(Layer):
 class Dropout(Layer):
     """Zero each value with probability p in training (scaling the rest by 1/(1-p)); identity in eval.
     ``per_sample=True`` drops whole samples instead: that is drop-path (stochastic depth), applied to a
-    residual branch so the block is skipped for that sample."""
+    residual branch so the block is skipped for that sample.
+
+    The masks come from ``self.rng``, a host generator whose state checkpoints save, so a resumed run draws
+    the same masks as an uninterrupted one. On the CPU it draws every value of the mask. On the GPU it
+    draws one seed per call and the GPU expands the seed into the mask (kernels.dropout_keep_mask: one
+    launch, no copy from the host). So a GPU run is reproducible on the GPU (same seed, same masks, resumed
+    or not), but its masks are not the CPU run's: the two draw different random numbers."""
 
     def __init__(self, p=0.0, per_sample=False, seed=0):
         super().__init__()
         if not 0.0 <= p < 1.0:
             raise ValueError(f"dropout probability must be in [0, 1), got {p!r}")
         self.p, self.per_sample = p, per_sample
-        self.rng = host_rng(seed)  # host generator: same masks on NumPy and CuPy, state saved in checkpoints
+        self.rng = host_rng(seed)  # a host generator: its state is saved in checkpoints
 
     def forward(self, x):
         if not self.training or self.p == 0.0:
             self.cache = None
             return x
         shape = (x.shape[0],) + (1,) * (x.ndim - 1) if self.per_sample else x.shape
-        keep = asarray(self.rng.random(shape) >= self.p, backend=backend_of(x))  # (B, 1, 1) or x's shape
+        if backend_of(x) == "numpy":
+            keep = self.rng.random(shape) >= self.p                              # (B, 1, 1) or x's shape
+        else:
+            keep = kernels.dropout_keep_mask(shape, self.p, int(self.rng.integers(2 ** 63)))  # on the GPU
         out, self.cache = F.dropout_forward(x, keep, self.p)
         return out
 
@@ -309,14 +265,20 @@ class MLP(Layer):
         return self.fc1.backward(self.act.backward(dh))   # (B, N, D)
 
 
+def check_num_heads(dim, num_heads):
+    """The heads rule, for Attention and for ViTConfig: D splits into nh heads of hs = D / nh features."""
+    if dim % num_heads:
+        raise ValueError(f"embed_dim {dim} must be divisible by num_heads {num_heads} "
+                         f"(each head gets embed_dim / num_heads features)")
+
+
 class Attention(Layer):
     """Multi-head self-attention: qkv = x W_qkv (one packed projection), per-head softmax(q k^T / sqrt(hs)) v,
     heads concatenated and projected back to D."""
 
     def __init__(self, dim, num_heads, qkv_bias=True, drop=0.0, rng=None, dtype="float32", seed=0):
         super().__init__()
-        if dim % num_heads:
-            raise ValueError(f"embed_dim {dim} must be divisible by num_heads {num_heads}")
+        check_num_heads(dim, num_heads)
         self.num_heads = num_heads
         self.qkv = self.add("qkv", Linear(dim, 3 * dim, bias=qkv_bias, rng=rng, dtype=dtype))
         self.proj = self.add("proj", Linear(dim, dim, rng=rng, dtype=dtype))
@@ -396,7 +358,59 @@ class PosEmbed(Layer):
         return dout[:, 1:]                                       # (B, N, D): the patch tokens' part
 
 
+def resize_pos_embed(pos_embed, old_grid, new_grid, num_prefix_tokens=1):
+    """Position embeddings for another patch grid (paper §3.2): the patch part, seen as a
+    (gh, gw, D) image, is resized by bilinear interpolation with corners aligned (the JAX release's
+    scipy.ndimage.zoom(order=1); timm's own loader uses align_corners=False instead); the first
+    num_prefix_tokens rows (the class token's) are kept as they are.
+
+    pos_embed: (1, T + gh*gw, D), T = num_prefix_tokens; old_grid (gh, gw), new_grid (gh', gw').
+    Returns (1, T + gh'*gw', D), in pos_embed's dtype, on its device; computed in float64.
+    ViT.resize_pos_embed and minivit.convert (loading a checkpoint for another size) use it.
+    """
+    xp = get_array_module(pos_embed)
+    (gh, gw), (nh_, nw) = tuple(old_grid), tuple(new_grid)
+    T = num_prefix_tokens
+    if pos_embed.ndim != 3 or pos_embed.shape[0] != 1 or pos_embed.shape[1] != T + gh * gw:
+        raise ValueError(f"pos_embed must be (1, {T} + {gh}*{gw}, D) for grid {(gh, gw)} with {T} prefix "
+                         f"token(s), got {tuple(pos_embed.shape)}")
+    if min(gh, gw, nh_, nw) < 1:
+        raise ValueError(f"grids must be at least 1x1, got {old_grid} -> {new_grid}")
+    D = pos_embed.shape[2]
+    prefix = pos_embed[:, :T]                                           # (1, T, D): kept as is
+    grid = pos_embed[0, T:].reshape(gh, gw, D).astype("float64")        # (gh, gw, D)
+    grid = _linear_resize(grid, nh_, axis=0)                            # (gh', gw, D)
+    grid = _linear_resize(grid, nw, axis=1)                             # (gh', gw', D)
+    grid = grid.reshape(1, nh_ * nw, D).astype(pos_embed.dtype)         # (1, gh'*gw', D)
+    return xp.concatenate([prefix, grid], axis=1)                       # (1, T + gh'*gw', D)
+
+
+def _linear_resize(a, n_new, axis):
+    """Linear interpolation of a along axis to n_new samples, the first and last samples kept
+    (corners aligned): new sample j sits at old position j (n_old - 1) / (n_new - 1)."""
+    xp = get_array_module(a)
+    n_old = a.shape[axis]
+    pos = xp.linspace(0.0, n_old - 1, n_new)                   # where each new sample sits, in old units
+    lo = xp.minimum(xp.floor(pos).astype(int), n_old - 1)
+    hi = xp.minimum(lo + 1, n_old - 1)
+    w = (pos - lo).reshape([-1 if i == axis else 1 for i in range(a.ndim)])   # broadcast along axis
+    return (1.0 - w) * xp.take(a, lo, axis=axis) + w * xp.take(a, hi, axis=axis)
+
+
 POS_EMBED_KINDS = ("learned", "learned2d", "sincos2d", "none")  # PosEmbed: "learned"; GridPosEmbed: the rest
+
+
+def check_pos_embed(kind, embed_dim):
+    """The position-embedding rules, for GridPosEmbed and for ViTConfig.pos_embed: a known kind, and a
+    width that the 2-D kinds can split (learned2d: D/2 per axis; sincos2d: sin and cos per axis, D/4 each)."""
+    if kind not in POS_EMBED_KINDS:
+        raise ValueError(f"pos_embed must be one of {POS_EMBED_KINDS}, got {kind!r}")
+    if kind == "learned2d" and embed_dim % 2:
+        raise ValueError(f"pos_embed='learned2d' needs an even embed_dim (D/2 for rows, D/2 for columns), "
+                         f"got embed_dim={embed_dim}")
+    if kind == "sincos2d" and embed_dim % 4:
+        raise ValueError(f"pos_embed='sincos2d' needs embed_dim divisible by 4 (sin and cos of rows and "
+                         f"columns), got embed_dim={embed_dim}")
 
 
 def sincos2d_table(grid_size, embed_dim, temperature=10000.0, dtype="float32"):
@@ -428,14 +442,10 @@ class GridPosEmbed(Layer):
 
     def __init__(self, grid_size, embed_dim, kind, class_token=True, rng=None, dtype="float32"):
         super().__init__()
-        if kind not in POS_EMBED_KINDS[1:]:
-            raise ValueError(f"GridPosEmbed kind must be one of {POS_EMBED_KINDS[1:]}, got {kind!r} "
-                             f"(the learned 1-D table is PosEmbed)")
-        if kind == "learned2d" and embed_dim % 2:
-            raise ValueError(f"learned2d position embeddings need an even embed_dim (D/2 per axis), got {embed_dim}")
-        if kind == "sincos2d" and embed_dim % 4:
-            raise ValueError(f"sincos2d position embeddings need embed_dim divisible by 4 (sin, cos per axis), "
-                             f"got {embed_dim}")
+        if kind == "learned":
+            raise ValueError("GridPosEmbed makes the grid kinds (learned2d, sincos2d, none); the learned 1-D "
+                             "table is PosEmbed")
+        check_pos_embed(kind, embed_dim)
         rng = host_rng(0) if rng is None else rng
         gh, gw = grid_size
         self.grid_size, self.embed_dim, self.kind, self.class_token = (gh, gw), embed_dim, kind, class_token
@@ -522,14 +532,22 @@ class Block(Layer):
         return dx1 + self.norm1.backward(self.attn.backward(self.drop_path1.backward(dx1)))
 
 
+POOL_MODES = ("cls", "gap")
+
+
+def check_pool(mode):
+    """The pooling rule, for Pool and for ViTConfig.pool."""
+    if mode not in POOL_MODES:
+        raise ValueError(f"pool must be 'cls' or 'gap', got {mode!r}")
+
+
 class Pool(Layer):
     """From tokens to one vector per image. "cls": the class token's output (paper Eq. 4);
     "gap": the mean over all tokens (the model then has no class token)."""
 
     def __init__(self, mode="cls"):
         super().__init__()
-        if mode not in ("cls", "gap"):
-            raise ValueError(f"pool must be 'cls' or 'gap', got {mode!r}")
+        check_pool(mode)
         self.mode = mode
 
     def forward(self, x):                       # (B, N, D) -> (B, D)

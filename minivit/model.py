@@ -15,19 +15,26 @@ GridPosEmbed (layers.py, App. D.4). experiments/ and notebook 11 compare them.
 
 Parameter names are timm's (``patch_embed.proj.weight``, ``cls_token``, ``blocks.0.attn.qkv.weight``...);
 the layouts are minivit's own (linear weights (in, out), the patch projection (P*P*C, D) in (P, P, C)
-order); minivit.convert translates to and from timm's and the original JAX release's, and
-``ViT.from_pretrained`` loads a published checkpoint in one call.
+order); ``param_shapes(config)`` lists them all without building anything, and ``flops(config)``
+counts a forward pass. minivit.convert translates to and from timm's and the original JAX release's
+layouts, and ``minivit.from_pretrained`` loads a published checkpoint in one call (loaders sit above
+the model: this file imports none of them).
+
+``Classifier`` is what the ViT and the ResNet baseline (minivit/resnet.py) share: named stages run in
+order, ending in logits, and backward runs them in reverse.
 """
 
 import copy
 import dataclasses
+import math
+import warnings
 from dataclasses import dataclass
 
 from . import functional as F
 from .backend import asarray, backend_of, host_rng, is_array, to_numpy
-from .conv import ConvStem
-from .layers import (POS_EMBED_KINDS, Block, Classifier, Dropout, GridPosEmbed, Layer, LayerNorm, Linear, PatchEmbed, Pool,
-                     PosEmbed, PreLogits)
+from .conv import ConvStem, conv_output_size
+from .layers import (Block, Dropout, GridPosEmbed, Layer, LayerNorm, Linear, PatchEmbed, Pool, PosEmbed, PreLogits,
+                     check_gelu, check_num_heads, check_pool, check_pos_embed, resize_pos_embed)
 
 DTYPES = ("float32", "float64")
 
@@ -72,33 +79,27 @@ class ViTConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         H, W = img
+        if H < 1 or W < 1:
+            raise ValueError(f"img_size must be positive, got {self.img_size!r}")
         P = self.patch_size
-        if H < 1 or W < 1 or H % P or W % P:
+        if H % P or W % P:
             raise ValueError(f"img_size {img} must be divisible by patch_size {P} "
                              f"(the image is cut into whole {P}x{P} patches)")
-        if self.embed_dim % self.num_heads:
-            raise ValueError(f"embed_dim {self.embed_dim} must be divisible by num_heads {self.num_heads} "
-                             f"(each head gets embed_dim / num_heads features)")
-        if not self.mlp_ratio > 0 or int(self.embed_dim * self.mlp_ratio) < 1:
-            raise ValueError(f"mlp_ratio must be positive, got {self.mlp_ratio!r}")
-        if self.pool not in ("cls", "gap"):
-            raise ValueError(f"pool must be 'cls' or 'gap', got {self.pool!r}")
-        if self.gelu not in F.GELU_KINDS:
-            raise ValueError(f"gelu must be one of {F.GELU_KINDS}, got {self.gelu!r}")
+        check_num_heads(self.embed_dim, self.num_heads)
+        if (not isinstance(self.mlp_ratio, (int, float)) or isinstance(self.mlp_ratio, bool)
+                or not 0 < self.mlp_ratio < math.inf or int(self.embed_dim * self.mlp_ratio) < 1):
+            raise ValueError(f"mlp_ratio must be a positive finite number, got {self.mlp_ratio!r}")
+        if not isinstance(self.qkv_bias, bool):
+            raise TypeError(f"qkv_bias must be True or False, got {self.qkv_bias!r}")
+        check_pool(self.pool)
+        check_gelu(self.gelu)
         for name in ("drop_rate", "drop_path_rate"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)!r}")
         R = self.representation_size
         if R is not None and (not isinstance(R, int) or isinstance(R, bool) or R < 1):
             raise ValueError(f"representation_size must be None or a positive int, got {R!r}")
-        if self.pos_embed not in POS_EMBED_KINDS:
-            raise ValueError(f"pos_embed must be one of {POS_EMBED_KINDS}, got {self.pos_embed!r}")
-        if self.pos_embed == "learned2d" and self.embed_dim % 2:
-            raise ValueError(f"pos_embed='learned2d' needs an even embed_dim (D/2 for rows, D/2 for columns), "
-                             f"got embed_dim={self.embed_dim}")
-        if self.pos_embed == "sincos2d" and self.embed_dim % 4:
-            raise ValueError(f"pos_embed='sincos2d' needs embed_dim divisible by 4 (sin and cos of rows and "
-                             f"columns), got embed_dim={self.embed_dim}")
+        check_pos_embed(self.pos_embed, self.embed_dim)
         if self.stem not in ("patch", "conv"):
             raise ValueError(f"stem must be 'patch' or 'conv', got {self.stem!r}")
         if not isinstance(self.stem_width, int) or isinstance(self.stem_width, bool) or self.stem_width < 1:
@@ -133,24 +134,8 @@ class ViTConfig:
         return tuple(self.stem_width * 2 ** i for i in range(self.patch_size.bit_length()))
 
     def num_params(self):
-        """The parameter count, computed from the shapes alone (nothing is allocated)."""
-        D, M, K = self.embed_dim, self.mlp_dim, self.num_classes
-        R = self.representation_size
-        patch = self.patch_size ** 2 * self.in_chans * D + D          # E and its bias
-        if self.stem == "conv":                                       # 3x3 convs (no bias) + GroupNorms, then E
-            chans = (self.in_chans,) + self.stem_channels
-            patch = sum(9 * a * b + 2 * b for a, b in zip(chans[:-1], chans[1:])) + chans[-1] * D + D
-        gh, gw = self.grid_size
-        pos = {"learned": self.seq_len * D, "learned2d": (gh + gw) * (D // 2)}.get(self.pos_embed, 0)
-        tokens = (D if self.pool == "cls" else 0) + pos               # x_class, E_pos
-        block = (2 * D                                                # norm1
-                 + D * 3 * D + (3 * D if self.qkv_bias else 0)        # qkv
-                 + D * D + D                                          # proj
-                 + 2 * D                                              # norm2
-                 + D * M + M + M * D + D)                             # fc1, fc2
-        pre_logits = 0 if R is None else D * R + R                    # the tanh layer, if any
-        head_in = D if R is None else R
-        return patch + tokens + self.depth * block + 2 * D + pre_logits + head_in * K + K  # + final norm, head
+        """The parameter count, computed from the shapes alone (nothing is allocated): see param_shapes."""
+        return sum(math.prod(shape) for shape in param_shapes(self).values())
 
     def to_dict(self):
         d = dataclasses.asdict(self)
@@ -167,6 +152,196 @@ class ViTConfig:
         if isinstance(d.get("img_size"), list):
             d["img_size"] = tuple(d["img_size"])
         return cls(**d)
+
+
+# --------------------------------------------------------------------------------------------------
+# The architecture, written down once: every parameter's name and shape, and the FLOPs of a forward
+# --------------------------------------------------------------------------------------------------
+
+
+def param_shapes(config):
+    """name -> shape of every parameter of ViT(config), in the model's order; nothing is allocated.
+    ViTConfig.num_params sums it, minivit.convert checks checkpoints against it, and tests/test_model.py
+    checks that ViT(config).params have exactly these names and shapes, for every preset and option."""
+    c = config
+    D, M, P, C = c.embed_dim, c.mlp_dim, c.patch_size, c.in_chans
+    shapes = {}
+    if c.stem == "conv":   # ConvStem: 3x3 convs (no bias: the GroupNorm shifts), GroupNorms, then c -> D
+        chans = (C,) + c.stem_channels
+        for i, (c_in, c_out) in enumerate(zip(chans[:-1], chans[1:])):
+            s = f"patch_embed.stages.{i}."
+            shapes.update({s + "conv.weight": (3, 3, c_in, c_out), s + "norm.weight": (c_out,),
+                           s + "norm.bias": (c_out,)})
+        shapes.update({"patch_embed.proj.weight": (chans[-1], D), "patch_embed.proj.bias": (D,)})
+    else:                  # PatchEmbed: E (P*P*C, D) and its bias
+        shapes.update({"patch_embed.proj.weight": (P * P * C, D), "patch_embed.proj.bias": (D,)})
+    if c.pool == "cls":
+        shapes["cls_token"] = (1, 1, D)                               # x_class
+    gh, gw = c.grid_size
+    if c.pos_embed == "learned":
+        shapes["pos_embed"] = (1, c.seq_len, D)                       # E_pos
+    elif c.pos_embed == "learned2d":
+        shapes.update({"pos_embed_row": (1, gh, D // 2), "pos_embed_col": (1, gw, D // 2)})
+    for i in range(c.depth):
+        b = f"blocks.{i}."
+        shapes.update({b + "norm1.weight": (D,), b + "norm1.bias": (D,), b + "attn.qkv.weight": (D, 3 * D)})
+        if c.qkv_bias:
+            shapes[b + "attn.qkv.bias"] = (3 * D,)
+        shapes.update({b + "attn.proj.weight": (D, D), b + "attn.proj.bias": (D,),
+                       b + "norm2.weight": (D,), b + "norm2.bias": (D,),
+                       b + "mlp.fc1.weight": (D, M), b + "mlp.fc1.bias": (M,),
+                       b + "mlp.fc2.weight": (M, D), b + "mlp.fc2.bias": (D,)})
+    shapes.update({"norm.weight": (D,), "norm.bias": (D,)})
+    head_in = D
+    if c.representation_size is not None:
+        R = head_in = c.representation_size
+        shapes.update({"pre_logits.fc.weight": (D, R), "pre_logits.fc.bias": (R,)})
+    shapes.update({"head.weight": (head_in, c.num_classes), "head.bias": (c.num_classes,)})
+    return shapes
+
+
+def flops(config):
+    """FLOPs of one image's forward pass through every matrix product and convolution, a multiply-add
+    counted as 2 (LayerNorm, GELU, softmax, the pool's mean and the residual additions are elementwise
+    and left out, as usual). A training step costs about 3x: the backward computes dx and dW of each.
+
+        patch stem   2 N (P^2 C) D                     x_p E, N patches
+        conv stem    2 Ho Wo (9 C_in) C_out            each 3x3 conv, at its output size; then 2 N c D
+        each block   2 T (3 D^2 + D^2 + 2 D M)         qkv, proj, fc1, fc2 on T = N (+1 class token) tokens
+                     + 2 * 2 T^2 D                     q k^T and (softmax) v, all heads together
+        head         2 D K, or 2 D R + 2 R K           with a representation layer (pre_logits)
+    """
+    if not isinstance(config, ViTConfig):
+        raise TypeError(f"flops counts a ViTConfig, got {type(config).__name__} (a ResNetConfig has .flops())")
+    c = config
+    N, T, D, M, K = c.num_patches, c.seq_len, c.embed_dim, c.mlp_dim, c.num_classes
+    if c.stem == "conv":
+        H, W = c.img_size
+        chans = (c.in_chans,) + c.stem_channels
+        embed = 0
+        for i, (c_in, c_out) in enumerate(zip(chans[:-1], chans[1:])):
+            stride = 1 if i == 0 else 2                               # as ConvStem: stride 1, then halving
+            H, W = conv_output_size(H, 3, stride, 1), conv_output_size(W, 3, stride, 1)
+            embed += 2 * H * W * 9 * c_in * c_out                     # (Ho Wo, 9 C_in) @ (9 C_in, C_out)
+        embed += 2 * N * chans[-1] * D                                # 1x1 patches -> D
+    else:
+        embed = 2 * N * c.patch_size ** 2 * c.in_chans * D            # x_p E
+    block = 2 * T * (3 * D * D + D * D + 2 * D * M) + 2 * 2 * T * T * D
+    R = c.representation_size
+    head = 2 * D * K if R is None else 2 * D * R + 2 * R * K
+    return embed + c.depth * block + head
+
+
+# --------------------------------------------------------------------------------------------------
+# Classifier: what the ViT and the ResNet baseline share
+# --------------------------------------------------------------------------------------------------
+
+
+class Classifier(Layer):
+    """A model made of named stages run in order, ending in logits: the ViT and the ResNet baseline.
+    A subclass defines ``stages()`` -> [(name, layer)], ``check_input(x)``, ``config.num_classes``,
+    ``dtype`` and a ``head``; forward runs the stages in order and backward runs them in reverse."""
+
+    def forward(self, x):
+        """x: float images (B, H, W, C), channels last. Returns logits (B, K)."""
+        self.check_input(x)
+        if x.shape[0] == 0:
+            raise ValueError(f"got an empty batch, shape {tuple(x.shape)}: give at least one image")
+        self.batch_size = x.shape[0] if self.training else None    # backward checks dlogits against it
+        for _, layer in self.stages():
+            x = layer.forward(x)
+        return x
+
+    def backward(self, dlogits):
+        """dlogits: (B, K), e.g. from minivit.cross_entropy. Returns dx (B, H, W, C)."""
+        K = self.config.num_classes
+        if not hasattr(dlogits, "ndim") or dlogits.ndim != 2 or dlogits.shape[1] != K:
+            raise ValueError(f"dlogits must be an array (B, {K}), got {getattr(dlogits, 'shape', type(dlogits))}")
+        B = getattr(self, "batch_size", None)
+        if B is not None and dlogits.shape[0] != B:
+            raise ValueError(f"dlogits has {dlogits.shape[0]} rows but the last forward had a batch of {B}: "
+                             f"backward takes the gradient of that forward's logits, shape ({B}, {K})")
+        dx = dlogits
+        for _, layer in reversed(self.stages()):
+            dx = layer.backward(dx)
+        return dx
+
+    def __call__(self, x):
+        return self.forward(x)
+
+    def num_params(self):
+        """The number of parameters, counted from the allocated arrays."""
+        return sum(int(p.size) for p in self.params.values())
+
+    @property
+    def backend(self):
+        """'numpy' or 'cupy': where the parameters live."""
+        return backend_of(self.params["head.weight"])   # every classifier has a head
+
+    def state_dict(self):
+        """Every parameter as a host NumPy copy, keyed by its name (minivit's layouts)."""
+        return {name: to_numpy(p).copy() for name, p in self.params.items()}
+
+    def load_state_dict(self, state):
+        """Copy parameters in from a dict of arrays. Strict: a missing, unexpected, mis-shaped or non-numeric
+        entry is named in the error, and a refused load changes nothing (every array is checked and cast
+        to the parameter's dtype before the first is copied in)."""
+        missing = sorted(set(self.params) - set(state))
+        unexpected = sorted(set(state) - set(self.params))
+        wrong, not_numeric, cast = [], [], {}
+        for k, p in self.params.items():
+            if k not in state:
+                continue
+            value = state[k]
+            kind = value.dtype.kind if is_array(value) else None
+            if kind not in ("f", "i", "u"):                   # strings, objects, bools, complex, lists
+                what = f"dtype {value.dtype}" if is_array(value) else type(value).__name__
+                not_numeric.append(f"{k}: {what}")
+            elif tuple(value.shape) != tuple(p.shape):
+                wrong.append(f"{k}: expected {tuple(p.shape)}, got {tuple(value.shape)}")
+            else:
+                cast[k] = asarray(value, dtype=p.dtype, backend=backend_of(p))   # a new array, p untouched
+        if missing or unexpected or wrong or not_numeric:
+            parts = []
+            if missing:
+                parts.append(f"missing keys {missing}")
+            if unexpected:
+                parts.append(f"unexpected keys {unexpected}")
+            if wrong:
+                parts.append("mis-shaped: " + "; ".join(wrong))
+            if not_numeric:
+                parts.append("not numeric arrays: " + "; ".join(not_numeric))
+            raise ValueError("load_state_dict refused (nothing was changed): " + ", ".join(parts))
+        for k, p in self.params.items():
+            p[...] = cast[k]
+        return self
+
+    def set_matmul_dtype(self, matmul_dtype):
+        """Mixed precision (minivit/amp.py): "float16" makes every Linear layer multiply in float16, the
+        parameters, gradients and everything else staying float32; None (or "float32") undoes it.
+        Train with an amp.LossScaler, so that small gradients do not round to zero in float16."""
+        if matmul_dtype == "float32":
+            matmul_dtype = None
+        if matmul_dtype == "bfloat16":
+            raise ValueError("matmul_dtype 'bfloat16' is not available: neither NumPy nor CuPy has a bfloat16 "
+                             "dtype; use 'float16' (with a LossScaler) or None")
+        if matmul_dtype not in (None, "float16"):
+            raise ValueError(f"matmul_dtype must be 'float16', 'float32' or None, got {matmul_dtype!r}")
+        if matmul_dtype is not None and self.dtype != "float32":
+            raise ValueError(f"mixed precision needs a float32 model (float32 master weights), this one is {self.dtype}")
+        if matmul_dtype is not None and self.backend == "numpy":
+            warnings.warn("float16 matrix products on NumPy run without BLAS, a few hundred times slower than "
+                          "float32: mixed precision pays on the GPU (CuPy, tensor cores); on the CPU it is for "
+                          "tests and lessons", RuntimeWarning, stacklevel=2)
+        for layer in self.sublayers():
+            if isinstance(layer, Linear):
+                layer.matmul_dtype = matmul_dtype
+        return self
+
+    @property
+    def matmul_dtype(self):
+        """None, or "float16" when set_matmul_dtype made the Linear layers multiply in float16."""
+        return self.head.matmul_dtype
 
 
 class ViT(Classifier):
@@ -252,82 +427,28 @@ class ViT(Classifier):
         if x.dtype != self.dtype:
             raise TypeError(f"the input is {x.dtype} but the model is {self.dtype}: use x.astype('{self.dtype}')")
 
-    # ---- saving and loading ---------------------------------------------------------------------
-
-    def state_dict(self):
-        """Every parameter as a host NumPy copy, keyed by timm's names (minivit's layouts)."""
-        return {name: to_numpy(p).copy() for name, p in self.params.items()}
-
-    def load_state_dict(self, state):
-        """Copy parameters in from a dict of arrays. Strict: a missing, unexpected or mis-shaped key is
-        named in the error, and a refused load changes nothing."""
-        missing = sorted(set(self.params) - set(state))
-        unexpected = sorted(set(state) - set(self.params))
-        wrong = [f"{k}: expected {tuple(self.params[k].shape)}, got {tuple(state[k].shape)}"
-                 for k in self.params if k in state and tuple(state[k].shape) != tuple(self.params[k].shape)]
-        if missing or unexpected or wrong:
-            parts = []
-            if missing:
-                parts.append(f"missing keys {missing}")
-            if unexpected:
-                parts.append(f"unexpected keys {unexpected}")
-            if wrong:
-                parts.append("mis-shaped: " + "; ".join(wrong))
-            raise ValueError("load_state_dict refused (nothing was changed): " + ", ".join(parts))
-        for k, p in self.params.items():
-            p[...] = asarray(state[k], dtype=p.dtype, backend=backend_of(p))
-        return self
-
-    # ---- pre-trained weights (minivit.convert reads the files) ------------------------------------
-
-    @classmethod
-    def from_pretrained(cls, path, num_classes=None, img_size=None, num_heads=None, gelu=None, seed=0,
-                        dtype="float32", checkpoint_img_size=None, verbose=True, new_head=False):
-        """A ViT with the weights of a published checkpoint, in one call: the original JAX release's
-        .npz, timm's .safetensors / .pth / .bin, or a minivit.checkpoint .npz (told by the content).
-
-        num_classes: None keeps the checkpoint's head; another number puts a zero-initialised D -> K
-            head in its place and drops any representation layer, as the paper fine-tunes (§3.1).
-        img_size: None keeps the checkpoint's resolution; another one (same patch size, so another
-            patch grid) resizes the position embeddings as resize_pos_embed does (§3.2).
-        num_heads: needed only for a timm file whose width is not a preset's (192, 384, 768, 1024, 1280).
-        gelu: "erf" or "tanh"; by default "tanh" for the JAX release (Flax's GELU), "erf" for timm.
-        checkpoint_img_size: the resolution the checkpoint was trained at, needed only for a
-            non-square patch grid (a square one is read from the position embeddings' length).
-        new_head: True zero-initialises the head even when num_classes is the checkpoint's own.
-        Example: ViT.from_pretrained("ViT-B_16.npz", num_classes=10, img_size=384) for CIFAR-10.
-        """
-        from .convert import load_checkpoint_file, resize_state_dict  # convert builds on this file
-        config, state = load_checkpoint_file(path, num_heads=num_heads, img_size=checkpoint_img_size,
-                                             gelu=gelu, num_classes=num_classes, verbose=verbose)
-        if img_size is not None:
-            config, state = resize_state_dict(config, state, img_size)
-        model = cls(config, seed=seed, dtype=dtype).load_state_dict(state)
-        if new_head:
-            for p in model.head.params.values():
-                p[...] = 0                           # the paper's zero-initialised fine-tuning head
-        return model
+    # ---- fine-tuning at another resolution (paper §3.2) --------------------------------------------
 
     def resize_pos_embed(self, img_size):
         """A NEW model for images of img_size: the same weights, with the position embeddings of the
-        patch grid resized by bilinear interpolation (corners aligned, as the JAX release's
-        scipy.ndimage.zoom(order=1)) and the class token's embedding kept as it is (paper §3.2).
+        patch grid resized by bilinear interpolation (layers.resize_pos_embed: corners aligned, as the
+        JAX release's scipy.ndimage.zoom(order=1)) and the class token's embedding kept as it is.
 
         The patch size stays, so 224 -> 384 with P = 16 turns a 14x14 grid (196 patches) into 24x24
         (576). This model is left unchanged (it still takes only its own size); the new one is on the
         same backend, in the same train/eval mode, and needs its own optimizer.
         """
-        from .convert import resize_state_dict  # convert builds on this file
         if self.config.pos_embed != "learned":
             raise ValueError(f"resize_pos_embed resizes the learned 1-D table (pos_embed='learned'); this model "
                              f"has pos_embed={self.config.pos_embed!r}")
-        config, resized = resize_state_dict(self.config, {"pos_embed": to_numpy(self.params["pos_embed"])},
-                                            img_size)
+        config = dataclasses.replace(self.config, img_size=img_size)   # checks that P divides img_size
+        T = 1 if config.pool == "cls" else 0                           # the class token's row, kept
+        resized = resize_pos_embed(to_numpy(self.params["pos_embed"]), self.config.grid_size, config.grid_size, T)
         model = copy.deepcopy(self)              # every array copied: the two models share nothing
         model.config = config
         model.patch_embed.img_size = config.img_size     # its backward folds patches back to this size
         pos = PosEmbed(config.num_patches, config.embed_dim, config.pool == "cls", dtype=self.dtype).to(self.backend)
-        pos.params["pos_embed"][...] = asarray(resized["pos_embed"], backend=self.backend)  # (1, N'+1, D)
+        pos.params["pos_embed"][...] = asarray(resized, backend=self.backend)             # (1, N'+1, D)
         if config.pool == "cls":
             pos.params["cls_token"][...] = self.params["cls_token"]                       # (1, 1, D) as it was
         model.pos_embed = model.add("", pos)

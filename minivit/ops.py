@@ -24,7 +24,10 @@ functional.py (every name it defines), so a pair replaced while the process runs
     gelu       gelu_forward, gelu_backward                one fused pass                      erf | tanh
     softmax    softmax_forward, softmax_backward          one fused pass per row              row length
     attention  attention_forward, attention_backward      chunks, log-sum-exp kept, not N x N N, D, heads
-    adamw      adamw_update                               one pass per parameter (CPU)        -
+    adamw      adamw_update                               one pass per parameter (CPU: Numba; -
+                                                          GPU: one ElementwiseKernel launch)
+    sgd        sgd_update                                 one launch per parameter (GPU)      momentum | nesterov
+                                                                                              | no momentum
 
 Layers call these functions for the ops above, and functional.py directly for the others (patches,
 dropout, tanh, the loss): those have no twin.
@@ -262,11 +265,27 @@ def _probe_adamw(module, on_device, rng, key):
     return {"p": p, "exp_avg": m, "exp_avg_sq": v}
 
 
+def _probe_sgd(module, on_device, rng, key):
+    (kind,) = key
+    momentum, nesterov = {"no momentum": (0.0, False), "momentum": (0.9, False), "nesterov": (0.9, True)}[kind]
+    p = on_device(rng.standard_normal(1000))
+    outputs = {}
+    buf = None
+    for t in (1, 2):                                          # the first step makes the buffer, the second uses it
+        g = on_device(rng.standard_normal(1000))
+        buf = module.sgd_update(p, g, buf, 0.01, momentum, nesterov, 0.1)
+        outputs[f"p {t}"] = p.copy()
+        if buf is not None:
+            outputs[f"momentum_buffer {t}"] = buf.copy()
+    return outputs
+
+
 _TWINS = {"linear": ("linear_forward", "linear_backward"), "layernorm": ("layernorm_forward", "layernorm_backward"),
           "gelu": ("gelu_forward", "gelu_backward"), "softmax": ("softmax_forward", "softmax_backward"),
-          "attention": ("attention_forward", "attention_backward"), "adamw": ("adamw_update",)}
+          "attention": ("attention_forward", "attention_backward"), "adamw": ("adamw_update",),
+          "sgd": ("sgd_update",)}
 _PROBES = {"linear": _probe_linear, "layernorm": _probe_layernorm, "gelu": _probe_gelu, "softmax": _probe_softmax,
-           "attention": _probe_attention, "adamw": _probe_adamw}
+           "attention": _probe_attention, "adamw": _probe_adamw, "sgd": _probe_sgd}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -355,10 +374,18 @@ def attention_weights(cache):
 
 
 def adamw_update(p, g, m, v, lr, beta1, beta2, eps, weight_decay, step):
-    """functional.adamw_update, or its one-pass twin for contiguous float32 NumPy arrays."""
+    """functional.adamw_update, or its one-pass twin (float32: contiguous NumPy arrays, or CuPy arrays)."""
     if kernels.supports_adamw(p, g, m, v) and uses_twin("adamw", p, ()):
         return kernels.adamw_update(p, g, m, v, lr, beta1, beta2, eps, weight_decay, step)
     return F.adamw_update(p, g, m, v, lr, beta1, beta2, eps, weight_decay, step)
+
+
+def sgd_update(p, g, momentum_buffer, lr, momentum, nesterov, weight_decay):
+    """functional.sgd_update, or its one-launch twin for float32 CuPy arrays."""
+    kind = "no momentum" if momentum == 0 else ("nesterov" if nesterov else "momentum")
+    if kernels.supports_sgd(p, g, momentum_buffer) and uses_twin("sgd", p, (kind,)):
+        return kernels.sgd_update(p, g, momentum_buffer, lr, momentum, nesterov, weight_decay)
+    return F.sgd_update(p, g, momentum_buffer, lr, momentum, nesterov, weight_decay)
 
 
 # --------------------------------------------------------------------------------------------------

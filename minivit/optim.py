@@ -15,7 +15,6 @@ tests/test_optim.py checks to 1e-12 in float64. Glossary for the math in the com
 import math
 import numbers
 
-from . import functional as F
 from . import ops
 from .backend import asarray, backend_of, get_array_module, to_numpy
 
@@ -188,9 +187,10 @@ class SGD(Optimizer):
         self.t += 1
         for name, p in params.items():
             buf = _like(bufs[name], p) if name in bufs else None
-            buf = F.sgd_update(p, grads[name], buf, self.lr, self.momentum, self.nesterov, self._decay(name))
+            # the update rule: functional.sgd_update (ops may run its one-launch GPU twin, checked against it)
+            buf = ops.sgd_update(p, grads[name], buf, self.lr, self.momentum, self.nesterov, self._decay(name))
             if buf is not None:
-                bufs[name] = buf                              # (the update rule: functional.sgd_update)
+                bufs[name] = buf
 
 
 class AdamW(Optimizer):
@@ -242,19 +242,22 @@ class AdamW(Optimizer):
 def clip_grad_norm(model, max_norm):
     """Scale all gradients in place by min(1, max_norm / (||g|| + 1e-6)), where ||g|| is the 2-norm of
     every gradient joined into one vector (torch.nn.utils.clip_grad_norm_).
-    model: has .grads, or is itself a dict name -> array. Returns ||g|| before clipping, as a float
-    (inf or nan when a gradient is not finite: the caller decides whether to skip the step)."""
+    model: has .grads, or is itself a dict name -> array. Returns ||g|| before clipping, computed where the
+    gradients are: a NumPy float on the CPU, a 0-d CuPy array on the GPU (float() it to read it; that waits
+    for the GPU, so the trainer reads it with the step's other numbers, in one transfer). inf or nan when a
+    gradient is not finite: the caller decides whether to skip the step."""
     max_norm = _check_number("max_norm", max_norm, lambda x: x > 0, "> 0")
     grads = model if isinstance(model, dict) else model.grads
     if not grads:
         return 0.0
     xp = get_array_module(*grads.values())
     norms = [xp.linalg.norm(g.ravel()) for g in grads.values()]  # ||g_i|| for each array
-    total = float(xp.linalg.norm(xp.stack(norms)))  # sqrt(sum_i ||g_i||^2)
+    total = xp.linalg.norm(xp.stack(norms))  # sqrt(sum_i ||g_i||^2)
     scale = max_norm / (total + 1e-6)
-    if scale < 1.0:  # never scales up
-        for g in grads.values():
-            g *= scale
+    scale = xp.where(scale < 1.0, scale, 1.0)  # never scales up (and a nan norm scales nothing)
+    # decided on the device: the host never waits for the norm (times 1.0 changes no value)
+    for g in grads.values():
+        g *= scale.astype(g.dtype)
     return total
 
 

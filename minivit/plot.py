@@ -10,12 +10,24 @@ import sys
 
 
 def read_metrics(out_dir):
-    """The list of evaluation records in OUT/metrics.jsonl (one JSON object per line)."""
+    """The list of evaluation records in OUT/metrics.jsonl (one JSON object per line). A torn last line
+    (a run killed while appending it) is dropped with a warning naming the file; a bad line elsewhere
+    is a ValueError naming the file and the line."""
     path = os.path.join(out_dir, "metrics.jsonl")
     if not os.path.exists(path):
         raise FileNotFoundError(f"no metrics at {path!r}: is {out_dir!r} the --out folder of a training run?")
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        lines = [(i, line) for i, line in enumerate(f, 1) if line.strip()]
+    records = []
+    for i, line in lines:
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as err:
+            if i != lines[-1][0]:
+                raise ValueError(f"{path}: line {i} is not a JSON record ({err})") from None
+            print(f"warning: {path}: dropped its torn last line {i} (a write cut short): {line.strip()[:60]!r}",
+                  file=sys.stderr)
+    return records
 
 
 def plot_curves(history, path=None, title=None):

@@ -11,9 +11,18 @@ One optimizer step, written out (see train_step below):
     clip_grad_norm(model, max_norm)             # optional
     optimizer.lr = schedule(step); optimizer.step()
 
+train(cfg) is four parts, each a screen: set_up (settings checked, data, model, optimizer, a resumed
+state, the run folder), run_loop (the steps above), evaluate_and_save (at each evaluation), finish (the
+summary). TrainConfig is every setting; the command line is generated from its fields.
+
 What is written to OUT: metrics.jsonl (one line per evaluation), summary.json, checkpoint.npz (model,
 optimizer, RNG states, step; written atomically at every evaluation), curves.png. With out=None (from
-Python) nothing is written: experiments/ call train(cfg, model=..., data=...) that way.
+Python) nothing is written: experiments/ call train(cfg, model=..., data=...) that way. An OUT that
+already holds a run is refused unless --resume (continue it) or --overwrite (replace it) says what to do.
+
+Nothing is lost: Ctrl-C or SIGTERM finishes the step, evaluates, saves a checkpoint and exits (130 or
+143); a NaN or infinite loss, validation loss or parameter stops the run, keeping the checkpoint of the
+last evaluation at which all three were finite; a checkpoint is only ever written from a finite state.
 
 Reproducibility: the batches of step s are a function of (seed, s) alone: epoch e = s // steps_per_epoch
 is shuffled by a generator seeded with (seed, e), and the augmentation of step s by one seeded with
@@ -23,6 +32,7 @@ bit-for-bit the parameters of an uninterrupted one (on the CPU, same seed).
 
 import argparse
 import dataclasses
+import errno
 import json
 import math
 import os
@@ -36,13 +46,16 @@ import numpy
 from tqdm import tqdm
 
 from . import augment as A
-from . import backend, ops
+from . import backend, distributed, ops
 from .amp import LossScaler
-from .checkpoint import load_checkpoint, restore_dropout_rngs, save_checkpoint
-from .data import DATASETS, load_dataset, resize_images
-from .functional import cross_entropy
-from .model import ViTConfig, create_model, presets
+from .checkpoint import (check_finite, load_checkpoint, remove_stale_temporaries, restore_dropout_rngs,
+                         save_checkpoint, write_atomic)
+from .data import DATASETS, Dataset, load_dataset, resize_images
+from .functional import GELU_KINDS, cross_entropy, cross_entropy_backward, cross_entropy_forward
+from .layers import POS_EMBED_KINDS
+from .model import DTYPES, ViT, ViTConfig, create_model, presets
 from .optim import SGD, AdamW, WarmupCosine, clip_grad_norm, default_no_decay
+from .plot import read_metrics
 
 # --------------------------------------------------------------------------------------------------
 # Recipes: named sets of defaults. Any flag given on the command line overrides its recipe's value.
@@ -75,72 +88,117 @@ RECIPES = {
 DEFAULT_RECIPE = {"cifar10": "fast", "fashion-mnist": "fashion-cpu", "shapes": "demo", "folder": "demo"}
 
 
+DEFAULT_RECIPE = {"cifar10": "fast", "fashion-mnist": "fashion-cpu", "shapes": "demo", "folder": "demo"}
+OPTIMIZERS = ("adamw", "sgd")
+PRECISIONS = ("float32", "float16")     # float16: mixed precision (minivit/amp.py)
+
+# --------------------------------------------------------------------------------------------------
+# Every setting, with its default, its --help and its choices in one place
+# --------------------------------------------------------------------------------------------------
+
+
+def option(default, help, choices=None, flag=None, parse=None):
+    """A TrainConfig field: default, help text and choices, read by resolve (which checks the choices and
+    the field's type) and by the command line (_parser). flag: the flag's name when it is not --the-name
+    (an on/off field whose default is True needs one that turns it off); parse: the command line's type
+    when it is not the field's."""
+    return dataclasses.field(default=default, metadata=dict(help=help, choices=choices, flag=flag, parse=parse))
+
+
+FROM_RECIPE = " (default: the recipe's)"
+
+
 @dataclass
 class TrainConfig:
-    """Every setting of a run. None means "take it from the recipe" (then from the preset)."""
+    """Every setting of a run; the command line's flags are these names with - for _.
+    None means "take it from the recipe" (then from the preset)."""
 
-    dataset: str = "cifar10"          # cifar10 | fashion-mnist | folder | shapes
-    data_dir: str = None              # where the data set lives (cifar10: data/; folder: required)
-    recipe: str = None                # a key of RECIPES (default: DEFAULT_RECIPE of the data set)
-    model: str = None                 # a preset name (minivit.presets)
-    img_size: int = None              # resize images to this (default: the data set's own size)
-    patch_size: int = None
-    embed_dim: int = None
-    depth: int = None
-    num_heads: int = None
-    mlp_ratio: float = None
-    pool: str = None                  # cls | gap
-    drop_rate: float = None
-    drop_path_rate: float = None
-    pos_embed: str = None             # learned | learned2d | sincos2d | none (the paper's App. D.4)
-    stem: str = None                  # patch | conv (the hybrid of §3.1)
-    epochs: float = None
-    max_steps: int = None             # at most this many optimizer steps; without epochs, exactly this many
-    batch_size: int = None            # images per optimizer step
-    grad_accum: int = 1               # split each step into this many micro-batches (same result, less memory)
-    lr: float = None
-    min_lr: float = 0.0
-    weight_decay: float = None
-    warmup_epochs: float = None
-    warmup_steps: int = None          # overrides warmup_epochs when given
-    label_smoothing: float = None
-    optimizer: str = None             # adamw | sgd
-    momentum: float = 0.9             # SGD only
-    clip_grad: float = None           # clip the global gradient norm to this
-    augment: str = None               # none | standard | randaug
-    mixup: float = 0.0                # mixup alpha (0: off)
-    cutmix: float = 0.0               # cutmix alpha (0: off); with both on, each step picks one
-    random_erasing: float = 0.0       # probability of erasing a patch of each image
-    seed: int = 0
-    backend: str = None               # numpy | cupy (default: the current backend)
-    dtype: str = "float32"
-    precision: str = "float32"        # float16: mixed precision, float16 matmuls + loss scaling (minivit/amp.py)
-    out: str = "runs/default"         # None: write nothing (no metrics, summary, checkpoint or plot)
-    resume: bool = False
-    eval_every: int = None            # evaluate every N steps (default: at the end of each epoch)
-    num_evals: int = None             # or: evaluate this many times, evenly spaced, the last at the end
-    eval_batch_size: int = 500
-    train_subset: int = None          # use only the first N training images (quick runs, data-size studies)
-    init: str = None                  # start from pretrained weights (minivit.ViT.from_pretrained)
-    new_head: bool = True             # with init: a zero-initialised head, as the paper fine-tunes
-    init_gelu: str = None             # with init: "erf" | "tanh" (default: the checkpoint kind's own)
-    download: bool = False            # cifar10: download it when missing
-    fallback: bool = False            # cifar10 unavailable: fall back to Fashion-MNIST, else shapes
-    progress: bool = True             # show the tqdm progress bar
-    verbose: bool = True              # print the run's first line and one line per evaluation
-    fallback_reason: str = None       # set when --fallback replaced CIFAR-10 (why it was unavailable)
+    # the data and the recipe
+    dataset: str = option("cifar10", "the data set", DATASETS)
+    data_dir: str = option(None, "where the data set lives (cifar10: data/; folder: required)")
+    recipe: str = option(None, "named defaults (see README; default: fast for cifar10, fashion-cpu for "
+                               "fashion-mnist, demo for shapes and folder)", tuple(sorted(RECIPES)))
+    # the model: None takes the recipe's value, else the preset's
+    model: str = option(None, "a preset name, e.g. vit_cifar_tiny (minivit.presets; default: the recipe's)")
+    img_size: int | tuple = option(None, "resize images to this side (default: the recipe's, else the data set's own)", parse=int)
+    patch_size: int = option(None, "P: the side of a patch (default: the preset's)")
+    embed_dim: int = option(None, "D: the width of every token (default: the recipe's, else the preset's)")
+    depth: int = option(None, "the number of transformer blocks (default: the recipe's, else the preset's)")
+    num_heads: int = option(None, "the attention heads of each block, dividing D (default: the recipe's, else "
+                                  "the preset's)")
+    mlp_ratio: float = option(None, "each MLP's hidden width, as a multiple of D (default: the recipe's, else "
+                                    "the preset's)")
+    pool: str = option(None, "cls: the class token (Eq. 4); gap: the mean of the tokens (default: the preset's)")
+    drop_rate: float = option(None, "dropout after the position embedding, attention proj and MLP (default: 0)")
+    drop_path_rate: float = option(None, "stochastic depth of the last block, 0 for the first (default: the "
+                                         "recipe's, else 0)")
+    pos_embed: str = option(None, "the position embedding, the paper's App. D.4 (default: learned)", POS_EMBED_KINDS)
+    stem: str = option(None, "patch: P x P patches; conv: the hybrid, a CNN's feature map cut into 1x1 patches "
+                             "(default: patch)")
+    # the schedule and the optimizer
+    epochs: float = option(None, "passes over the training images" + FROM_RECIPE)
+    max_steps: int = option(None, "at most this many optimizer steps; without epochs, exactly this many")
+    batch_size: int = option(None, "images per optimizer step" + FROM_RECIPE)
+    grad_accum: int = option(1, "split each step into this many micro-batches (same result, less memory)")
+    lr: float = option(None, "the peak learning rate, after warm-up and before the cosine decay" + FROM_RECIPE)
+    min_lr: float = option(0.0, "the learning rate the cosine ends at")
+    weight_decay: float = option(None, "decoupled weight decay, not on biases, norms, tokens or position "
+                                       "embeddings" + FROM_RECIPE)
+    warmup_epochs: float = option(None, "linear warm-up of the learning rate, in epochs" + FROM_RECIPE)
+    warmup_steps: int = option(None, "linear warm-up in steps (overrides warmup_epochs)")
+    label_smoothing: float = option(None, "eps: the target becomes (1 - eps) onehot + eps / K" + FROM_RECIPE)
+    optimizer: str = option(None, "the update rule" + FROM_RECIPE, OPTIMIZERS)
+    momentum: float = option(0.9, "SGD only: the momentum")
+    clip_grad: float = option(None, "clip the global gradient norm to this (default: no clipping)")
+    # the data's augmentation
+    augment: str = option(None, "none; standard: crop and flip; randaug: RandAugment" + FROM_RECIPE, A.POLICIES)
+    mixup: float = option(0.0, "mixup alpha (0: off)")
+    cutmix: float = option(0.0, "cutmix alpha (0: off); with both on, each step picks one")
+    random_erasing: float = option(0.0, "the probability of erasing a patch of each image")
+    seed: int = option(0, "the seed of the model's initialisation, the batches and the augmentation")
+    zero: bool = option(False, "with several ranks (mpiexec): shard the optimizer state across them (ZeRO-1, "
+                               "minivit/distributed.py); no effect in one process")
+    # where it runs, what it writes
+    backend: str = option(None, "where to compute (default: the current backend)", backend.BACKENDS)
+    dtype: str = option("float32", "the parameters' dtype", DTYPES)
+    precision: str = option("float32", "float16: mixed precision (float16 matmuls, float32 master weights, "
+                                       "loss scaling; for the GPU)", PRECISIONS)
+    out: str | None = option("runs/default", "the run folder (metrics, checkpoint, summary, curves); {dataset} in it "
+                                      "becomes the data set's name; None (from Python): write nothing", parse=str)
+    resume: bool = option(False, "continue the run in OUT from its checkpoint")
+    overwrite: bool = option(False, "replace the run that OUT holds (without --resume or this, it is refused)")
+    eval_every: int = option(None, "evaluate (and save a checkpoint) every N steps (default: each epoch's end)")
+    num_evals: int = option(None, "or: evaluate this many times, evenly spaced, the last at the end")
+    eval_batch_size: int = option(500, "images per forward pass of an evaluation")
+    train_subset: int = option(None, "train on the first N training images only (quick runs, data-size studies)")
+    # fine-tuning
+    init: str = option(None, "start from pretrained weights (.npz or .safetensors: minivit.from_pretrained)")
+    new_head: bool = option(True, "with --init: keep the checkpoint's head instead of a new zero-initialised one",
+                            flag="--keep-head")
+    init_gelu: str = option(None, "with --init: the GELU the checkpoint was trained with (default: its kind's own)",
+                            GELU_KINDS)
+    # the data set's availability, and the terminal
+    download: bool = option(False, "cifar10: download it when missing or damaged")
+    fallback: bool = option(False, "cifar10 unavailable: fall back to Fashion-MNIST, else shapes")
+    progress: bool = option(True, "no progress bar", flag="--no-progress")
+    verbose: bool = option(True, "without the run's first line and one line per evaluation", flag="--quiet")
 
 
-# The fields a resumed run may change; everything else comes from the checkpoint.
-RESUME_MAY_CHANGE = ("out", "resume", "progress", "verbose", "backend", "eval_every", "num_evals", "eval_batch_size",
-                     "download", "fallback")
+# A resumed run takes its settings from the checkpoint. Where and how it runs may change freely; its
+# length and evaluation cadence change when asked for (said in one line); any other setting that differs
+# is refused by name.
+RESUME_RUNTIME = ("out", "resume", "overwrite", "progress", "verbose", "backend", "eval_batch_size", "download",
+                  "fallback", "zero")
+RESUME_APPLIED = ("epochs", "max_steps", "eval_every", "num_evals")
+RUN_FILES = ("checkpoint.npz", "metrics.jsonl", "summary.json", "curves.png")
 MODEL_FIELDS = ("img_size", "patch_size", "embed_dim", "depth", "num_heads", "mlp_ratio", "pool", "drop_rate",
                 "drop_path_rate", "pos_embed", "stem")
 
 
 class TrainingDiverged(RuntimeError):
-    """The loss became NaN or infinite at optimizer step `step` (0-based: `step` steps had succeeded);
-    the last good checkpoint was kept."""
+    """The loss, the validation loss or a parameter became NaN or infinite after `step` optimizer steps
+    had run (`step` is the 0-based index of the step whose loss was not finite); the checkpoint of the
+    last finite evaluation was kept."""
 
     def __init__(self, message, step=None):
         super().__init__(message)
@@ -153,6 +211,24 @@ class TrainResult:
     history: list      # one dict per evaluation
     summary: dict
     out: str
+
+
+def _one_of(choices):
+    return f"{choices[0]!r} or {choices[1]!r}" if len(choices) == 2 else f"one of {choices}"
+
+
+def _check_types_and_choices(cfg):
+    """Each field's value of its annotated type (None where None is the default), and among its choices."""
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if value is None and f.default is None:
+            continue
+        kind = (int, float) if f.type is float else f.type              # an int is a fine float
+        if not isinstance(value, kind) or (isinstance(value, bool) and f.type is not bool):
+            raise TypeError(f"{f.name} must be of type {getattr(f.type, '__name__', f.type)}, got {value!r}")
+        choices = f.metadata["choices"]
+        if choices is not None and value not in choices:
+            raise ValueError(f"{f.name} must be {_one_of(choices)}, got {value!r}")
 
 
 def resolve(cfg):
@@ -171,43 +247,33 @@ def resolve(cfg):
     r = TrainConfig(**values)
     if r.model not in presets:
         raise ValueError(f"unknown model preset {r.model!r}; choose one of {sorted(presets)}")
-    if r.optimizer not in ("adamw", "sgd"):
-        raise ValueError(f"optimizer must be 'adamw' or 'sgd', got {r.optimizer!r}")
-    if r.augment not in A.POLICIES:
-        raise ValueError(f"augment must be one of {A.POLICIES}, got {r.augment!r}")
-    if r.dtype not in ("float32", "float64"):
-        raise ValueError(f"dtype must be 'float32' or 'float64', got {r.dtype!r}")
-    if r.precision not in ("float32", "float16"):
-        raise ValueError(f"precision must be 'float32' or 'float16' (mixed), got {r.precision!r}")
+    _check_types_and_choices(r)
     if r.precision == "float16" and r.dtype != "float32":
         raise ValueError(f"precision 'float16' keeps float32 master weights: it needs dtype 'float32', got {r.dtype!r}")
-    if not isinstance(r.batch_size, int) or r.batch_size < 1:
-        raise ValueError(f"batch_size must be a positive int, got {r.batch_size!r}")
-    if not isinstance(r.grad_accum, int) or r.grad_accum < 1 or r.batch_size % r.grad_accum:
-        raise ValueError(f"grad_accum must be a positive int dividing batch_size={r.batch_size}, got {r.grad_accum!r}")
     if r.epochs is None and r.max_steps is None:
         raise ValueError("give epochs or max_steps")
-    if r.epochs is not None and not r.epochs > 0:
-        raise ValueError(f"epochs must be > 0, got {r.epochs!r}")
-    if r.max_steps is not None and (not isinstance(r.max_steps, int) or r.max_steps < 1):
-        raise ValueError(f"max_steps must be a positive int, got {r.max_steps!r}")
-    if not r.lr > 0:
-        raise ValueError(f"lr must be > 0, got {r.lr!r}")
-    if r.clip_grad is not None and not r.clip_grad > 0:
-        raise ValueError(f"clip_grad must be > 0, got {r.clip_grad!r}")
-    for name in ("mixup", "cutmix"):
-        if getattr(r, name) < 0:
-            raise ValueError(f"{name} alpha must be >= 0, got {getattr(r, name)!r}")
+    for name in ("batch_size", "max_steps", "eval_every", "num_evals", "eval_batch_size", "train_subset"):
+        if getattr(r, name) is not None and getattr(r, name) < 1:
+            raise ValueError(f"{name} must be a positive int, got {getattr(r, name)!r}")
+    if r.grad_accum < 1 or r.batch_size % r.grad_accum:
+        raise ValueError(f"grad_accum must be a positive int dividing batch_size={r.batch_size}, got {r.grad_accum!r}")
+    for name in ("epochs", "lr", "clip_grad"):                     # > 0 (where given)
+        if getattr(r, name) is not None and not 0 < getattr(r, name) < math.inf:
+            raise ValueError(f"{name} must be > 0 and finite, got {getattr(r, name)!r}")
+    for name in ("weight_decay", "warmup_epochs", "warmup_steps", "seed", "mixup", "cutmix"):   # >= 0
+        if getattr(r, name) is not None and not 0 <= getattr(r, name) < math.inf:
+            raise ValueError(f"{name} must be >= 0 and finite, got {getattr(r, name)!r}")
+    if not 0 <= r.min_lr <= r.lr:
+        raise ValueError(f"min_lr must be in [0, lr={r.lr}], got {r.min_lr!r}")
+    for name in ("momentum", "label_smoothing"):
+        if not 0 <= getattr(r, name) < 1:
+            raise ValueError(f"{name} must be in [0, 1), got {getattr(r, name)!r}")
     if not 0 <= r.random_erasing <= 1:
         raise ValueError(f"random_erasing must be a probability in [0, 1], got {r.random_erasing!r}")
-    if r.eval_every is not None and (not isinstance(r.eval_every, int) or r.eval_every < 1):
-        raise ValueError(f"eval_every must be a positive int, got {r.eval_every!r}")
-    if r.num_evals is not None and (not isinstance(r.num_evals, int) or r.num_evals < 1):
-        raise ValueError(f"num_evals must be a positive int, got {r.num_evals!r}")
     if r.eval_every is not None and r.num_evals is not None:
         raise ValueError(f"give eval_every or num_evals, not both (got {r.eval_every!r} and {r.num_evals!r})")
-    if r.backend is not None and r.backend not in backend.BACKENDS:
-        raise ValueError(f"backend must be one of {backend.BACKENDS}, got {r.backend!r}")
+    if r.resume and r.overwrite:
+        raise ValueError("give resume (continue the run in out) or overwrite (replace it), not both")
     return r
 
 
@@ -243,15 +309,19 @@ def prepare_data(cfg):
     root = cfg.data_dir or "data"
     try:
         return load_dataset("cifar10", root), cfg
-    except FileNotFoundError as missing:
-        reason = str(missing)
+    except (FileNotFoundError, ValueError) as unavailable:   # missing, or damaged (checksum, archive)
+        reason = str(unavailable)
         if cfg.download:
+            if not isinstance(unavailable, FileNotFoundError):
+                _move_aside_damaged_cifar10(root)          # so that the download replaces it
             try:
                 _download_cifar10(root)
                 return load_dataset("cifar10", root), cfg
             except (OSError, ValueError) as err:  # NetworkError is an OSError
-                reason = f"the download failed ({err})"
+                reason = f"{reason}; the download failed ({err})"
         if not cfg.fallback:
+            if cfg.download:
+                raise type(unavailable)(reason) from None
             raise
     from .data import FASHION_MNIST_DIRS
 
@@ -261,23 +331,44 @@ def prepare_data(cfg):
         "`shapes`, the procedural data set that needs no download"
     note = f", with the '{DEFAULT_RECIPE[name]}' recipe" if cfg.recipe is None else f", keeping the '{cfg.recipe}' recipe"
     print(CIFAR_UNAVAILABLE.format(reason=reason, root=root, fallback=where, note=note), flush=True)
-    cfg = dataclasses.replace(cfg, dataset=name, data_dir=None, fallback_reason=reason)
+    cfg = dataclasses.replace(cfg, dataset=name, data_dir=None)
     return load_dataset(cfg.dataset, cfg.data_dir), cfg
 
 
-def build_model(cfg, data):
-    """The ViT for cfg and this data set: the preset, the overrides, and the data's channels and classes."""
+def _move_aside_damaged_cifar10(root):
+    """Rename the CIFAR-10 copy that failed its checks (the folder, else the archive) to NAME.damaged, so a
+    fresh download takes its place and nothing is deleted."""
+    from .data import CIFAR10_ARCHIVE, CIFAR10_FOLDER
+
+    for name in (CIFAR10_FOLDER, CIFAR10_ARCHIVE):       # the order load_cifar10 reads them in
+        path = os.path.join(root, name)
+        if os.path.exists(path):
+            aside, n = path + ".damaged", 1
+            while os.path.exists(aside):
+                aside, n = f"{path}.damaged{n}", n + 1
+            os.replace(path, aside)
+            print(f"{path} failed its checks: moved it aside to {aside}", flush=True)
+            return
+
+
+def build_model(cfg, data, resumed=None):
+    """The ViT for cfg and this data set: the preset, the overrides, and the data's channels and classes.
+    resumed: a checkpoint to continue, whose saved config is used (its weights are loaded later)."""
+    if resumed is not None:
+        try:
+            config = ViTConfig.from_dict(resumed["meta"]["config"])
+        except (KeyError, TypeError, ValueError) as err:
+            raise ValueError(f"{resumed['path']!r}: the saved model config is not valid ({err})") from None
+        return ViT(config, seed=cfg.seed, dtype=cfg.dtype)
     H, W, C = data.image_shape
     overrides = {k: getattr(cfg, k) for k in MODEL_FIELDS if getattr(cfg, k) is not None}
     overrides.setdefault("img_size", (H, W))
     overrides.update(in_chans=C, num_classes=data.num_classes)
     if cfg.init:
-        from .model import ViT
+        from .convert import from_pretrained
 
-        if not hasattr(ViT, "from_pretrained"):
-            raise RuntimeError("--init needs minivit.ViT.from_pretrained, which this version lacks")
-        model = ViT.from_pretrained(cfg.init, num_classes=data.num_classes, img_size=overrides["img_size"],
-                                    gelu=cfg.init_gelu, seed=cfg.seed, dtype=cfg.dtype, new_head=cfg.new_head)
+        model = from_pretrained(cfg.init, num_classes=data.num_classes, img_size=overrides["img_size"],
+                                gelu=cfg.init_gelu, seed=cfg.seed, dtype=cfg.dtype, new_head=cfg.new_head)
         return model
     return create_model(cfg.model, seed=cfg.seed, dtype=cfg.dtype, **overrides)
 
@@ -290,15 +381,21 @@ def build_optimizer(cfg, model):
     return SGD(model, cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, no_decay=no_decay)
 
 
-def batch_for_step(step, cfg, data_x, data_y, steps_per_epoch, mean, std, dtype, num_classes):
+def batch_for_step(step, cfg, data_x, data_y, steps_per_epoch, mean, std, dtype, num_classes, world=None):
     """The augmented batch of optimizer step `step`: a function of (seed, step) only (see the module doc).
-    data_x: uint8 (N, H, W, C) on the backend; data_y: int64 (N,) on the backend.
+    data_x: uint8 (N, H, W, C) on the backend; data_y: int64 (N,) on the backend. world: the communicator
+    of several ranks (minivit/distributed.py), or None: rank r takes rows [r b, (r + 1) b) of the global
+    batch, b = B / R, and augments them from its own stream of (seed, step, r).
     Returns x float (B, H, W, C) and targets: labels (B,) or soft targets (B, K) with mixup/cutmix."""
     epoch, i = divmod(step, steps_per_epoch)
     order = backend.host_rng([cfg.seed, epoch]).permutation(data_x.shape[0])       # (N,)
     idx = order[i * cfg.batch_size:(i + 1) * cfg.batch_size]                        # (B,)
+    seed = [cfg.seed, 1_000_003, step]
+    if world is not None:                                                           # (b,) this rank's rows
+        idx, seed = idx[distributed.local_slice(cfg.batch_size, world.rank, world.world_size)], \
+            distributed.rank_seed(seed, world.rank)
     idx_dev = backend.asarray(idx, backend=backend.backend_of(data_x))
-    rng = backend.host_rng([cfg.seed, 1_000_003, step])
+    rng = backend.host_rng(seed)
     x = A.augment_batch(data_x[idx_dev], rng, cfg.augment, mean, std, dtype)       # (B, H, W, C)
     y = data_y[idx_dev]                                                             # (B,)
     if cfg.random_erasing:
@@ -350,318 +447,650 @@ def announce_ops(model, optimizer, images, mean, std, dtype):
 
 
 class _StopFlag:
-    """Ctrl-C sets the flag; the loop finishes its step, saves a checkpoint and stops. A second Ctrl-C
-    interrupts at once."""
+    """Ctrl-C (SIGINT) or SIGTERM (what a cluster scheduler sends before it kills a job) sets the flag;
+    the loop finishes its step, evaluates, saves a checkpoint and stops. A second signal interrupts at once."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
     def __init__(self):
-        self.stop, self._old = False, None
+        self.signum, self.received, self._old = None, False, {}
+
+    @property
+    def stop(self):
+        return self.signum is not None
 
     def __enter__(self):
-        try:
-            self._old = signal.signal(signal.SIGINT, self._handle)
-        except ValueError:  # not the main thread (e.g. some notebook runners): no handler
-            self._old = None
+        for signum in self.SIGNALS:
+            try:
+                self._old[signum] = signal.signal(signum, self._handle)
+            except ValueError:  # not the main thread (e.g. some notebook runners): no handler
+                pass
         return self
 
     def _handle(self, signum, frame):
-        if self.stop:
+        if self.received:
             raise KeyboardInterrupt
-        self.stop = True
+        self.signum, self.received = signum, True
+
+    def agree(self, world):
+        """Several ranks: all stop after this step when any of them was told to (the launcher forwards a
+        signal to each, not at the same instant). A rank's own signal arriving after that is not a second one."""
+        self.signum = world.max(self.signum or 0, what="the stop signal") or None
 
     def __exit__(self, *exc):
-        if self._old is not None:
-            signal.signal(signal.SIGINT, self._old)
+        for signum, old in self._old.items():
+            signal.signal(signum, old)
 
 
-def train_step(model, optimizer, x, y, cfg, scaler=None):
+def train_step(model, optimizer, x, y, cfg, scaler=None, dp=None):
     """One optimizer step on batch (x, y), in cfg.grad_accum micro-batches. Returns (loss, correct, grad_norm).
     scaler: an amp.LossScaler (mixed precision): the backward gets the scaled loss gradient, and a step whose
-    gradients overflowed is skipped (grad_norm is then inf)."""
+    gradients overflowed is skipped (grad_norm is then inf). y's labels were checked once, for the whole data
+    set (check_labels); the loss, the count of correct answers, the scaler's finiteness and the gradient
+    norm stay where the arrays are until the end of the step, then come to the host in ONE transfer: on the
+    GPU the only time a step waits for the device. dp: a distributed.DataParallel when several ranks train
+    (x, y: this rank's slice): the gradients are averaged over the ranks before anything looks at them."""
     model.zero_grad()
     micro = x.shape[0] // cfg.grad_accum
-    total_loss, correct = 0.0, 0
+    xp = backend.get_array_module(x)
+    total_loss, correct = 0.0, 0                   # 0-d arrays on x's device after the first micro-batch
     # with loss scaling float16 overflows now and then, by design (that step is skipped): NumPy's
     # "overflow encountered" warnings would be noise
     with numpy.errstate(over="ignore", invalid="ignore") if scaler is not None else nullcontext():
         for j in range(cfg.grad_accum):
             xb, yb = x[j * micro:(j + 1) * micro], y[j * micro:(j + 1) * micro]
             logits = model.forward(xb)                                                  # (b, K)
-            loss, dlogits = cross_entropy(logits, yb, cfg.label_smoothing)
-            if not math.isfinite(loss):
-                return loss, 0, float("nan")
-            dlogits = dlogits / cfg.grad_accum     # the mean over all micro-batches: each weighs 1/grad_accum
+            loss, cache = cross_entropy_forward(logits, yb, cfg.label_smoothing)        # loss: 0-d, on the device
+            dlogits = cross_entropy_backward(cache) / cfg.grad_accum   # each micro-batch weighs 1/grad_accum
             model.backward(dlogits if scaler is None else scaler.scale(dlogits))
-            total_loss += loss / cfg.grad_accum
+            total_loss = total_loss + loss / cfg.grad_accum
             labels = yb if yb.ndim == 1 else yb.argmax(-1)
-            correct += int((logits.argmax(-1) == labels).sum())
+            correct = correct + (logits.argmax(-1) == labels).sum()
+    if dp is not None:
+        dp.average_gradients()                       # g <- 1/R sum_r g_r: the whole global batch's gradient
+    step_numbers = [total_loss, correct]
+    if scaler is not None:                           # gradients / S, before clipping looks at them
+        step_numbers.append(scaler.unscale(model) if dp is None else dp.unscale(scaler))
+    if cfg.clip_grad:
+        step_numbers.append(clip_grad_norm(model, cfg.clip_grad) if dp is None else dp.clip_grad_norm(cfg.clip_grad))
+    read = backend.to_numpy(xp.stack([xp.asarray(v, dtype="float64") for v in step_numbers]))  # the one read
+    loss, correct = float(read[0]), int(read[1])
+    if dp is not None:                               # the global batch's loss and count, the same on every rank
+        loss, correct = dp.batch_metrics(loss, correct)
+    if not math.isfinite(loss):
+        return loss, 0, float("nan")
     if scaler is not None:
-        finite = scaler.unscale(model)               # gradients / S, before clipping looks at them
+        finite = bool(read[2])
         scaler.update(finite)
         if not finite:                               # float16 overflowed: skip the update, S was halved
-            return total_loss, correct, float("inf")
-    grad_norm = clip_grad_norm(model, cfg.clip_grad) if cfg.clip_grad else None
-    optimizer.step()
-    return total_loss, correct, grad_norm
+            return loss, correct, float("inf")
+    grad_norm = float(read[-1]) if cfg.clip_grad else None
+    optimizer.step() if dp is None else dp.step()
+    return loss, correct, grad_norm
+
+
+def check_labels(data):
+    """The labels of both splits in [0, K), checked once on the host before they go to the device (the
+    training step then checks nothing: on the GPU each check would wait for the device)."""
+    K = data.num_classes
+    for split, y in (("y_train", data.y_train), ("y_test", data.y_test)):
+        y = numpy.asarray(y)
+        if y.ndim != 1 or y.dtype.kind not in "iu":
+            raise ValueError(f"{data.name}: {split} must be integer class indices (N,), got {y.dtype} {y.shape}")
+        if y.size and (y.min() < 0 or y.max() >= K):
+            raise ValueError(f"{data.name}: {split} must be in [0, {K}) for {K} classes, "
+                         f"got values from {y.min()} to {y.max()}")
+
+
+def non_finite_params(model):
+    """Names of the parameters holding a NaN or an infinity. One reduction per array, stacked into one
+    vector, so that a device waits once however many parameters the model has."""
+    names, params = list(model.params), list(model.params.values())
+    if not params:
+        return []
+    xp = backend.get_array_module(params[0])
+    finite = backend.to_numpy(xp.stack([xp.isfinite(p).all() for p in params]))   # (num_arrays,) bool
+    return [name for name, ok in zip(names, finite) if not ok]
+
+
+# --------------------------------------------------------------------------------------------------
+# The run folder: refused when it holds a run nobody asked to continue or replace, checked writable before
+# the first step, every write atomic (or an append whose torn end is dropped on resume)
+# --------------------------------------------------------------------------------------------------
+
+
+def _naming_path(err, path):
+    """The OSError err, naming the file being written (a failed write() names none, a failed temporary file
+    its own name), with the original cause."""
+    return OSError(err.errno, err.strerror or str(err), path)
 
 
 def _append_jsonl(path, record):
-    with open(path, "a") as f:
-        f.write(json.dumps(record) + "\n")
+    try:
+        with open(path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+    except OSError as err:
+        raise _naming_path(err, path) from None
 
 
 def _write_json_atomic(path, obj):
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2)
-    os.replace(tmp, path)
+    try:
+        write_atomic(path, lambda f: f.write(json.dumps(obj, indent=2).encode()))
+    except OSError as err:
+        raise _naming_path(err, path) from None
+
+
+def _write_jsonl_atomic(path, records):
+    try:
+        write_atomic(path, lambda f: f.write("".join(json.dumps(r) + "\n" for r in records).encode()))
+    except OSError as err:
+        raise _naming_path(err, path) from None
+
+
+def check_out(cfg):
+    """Refuse, before anything is read or written, an out that is a file, or that holds a run (checkpoint,
+    metrics or summary) which cfg neither resumes nor overwrites."""
+    out = cfg.out
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise NotADirectoryError(errno.ENOTDIR, "--out must be a folder, and a file is in the way", out)
+    parent = os.path.dirname(os.path.abspath(out))
+    while not os.path.exists(parent):                 # the folders makedirs would create: under a file?
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise NotADirectoryError(errno.ENOTDIR, f"--out cannot be created: {parent} is a file", out)
+    held = [name for name in RUN_FILES[:3] if os.path.exists(os.path.join(out, name))]
+    if held and not (cfg.resume or cfg.overwrite):
+        raise ValueError(f"--out {out} already holds a run ({', '.join(held)}): continue it with --resume, "
+                         f"replace it with --overwrite, or choose another --out")
+
+
+def open_out(out, overwrite=False):
+    """Make out ready for the first step: created, written to once (a probe file), cleared of the temporary
+    files of an interrupted write, and with overwrite, of the run it held. An OSError names out and the cause."""
+    try:
+        os.makedirs(out, exist_ok=True)
+        probe = os.path.join(out, ".write-probe.tmp")
+        with open(probe, "w") as f:
+            f.write("minivit checks that it can write here\n")
+        os.remove(probe)
+        stale = remove_stale_temporaries(out)
+        if overwrite:
+            for name in RUN_FILES:
+                if os.path.exists(os.path.join(out, name)):
+                    os.remove(os.path.join(out, name))
+    except OSError as err:
+        raise OSError(err.errno, f"--out cannot be used as the run folder: {err.strerror or err}", out) from None
+    if stale:
+        print(f"removed {len(stale)} temporary file(s) of an interrupted write: "
+              f"{', '.join(os.path.basename(p) for p in stale)}", flush=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# Resuming
+# --------------------------------------------------------------------------------------------------
+
+
+def _flag(name):
+    """The command-line flag of a TrainConfig field: --the-name, or the one its option() names."""
+    return TrainConfig.__dataclass_fields__[name].metadata["flag"] or "--" + name.replace("_", "-")
+
+
+def _resume_folder(cfg):
+    """cfg.out, with "{dataset}" replaced: by cfg.dataset, or with fallback by the first data set the run
+    may have fallen back to whose folder holds a checkpoint."""
+    if "{dataset}" not in cfg.out:
+        return cfg.out
+    names = [cfg.dataset] + (["fashion-mnist", "shapes"] if cfg.fallback and cfg.dataset == "cifar10" else [])
+    for name in names:
+        folder = cfg.out.replace("{dataset}", name)
+        if os.path.exists(os.path.join(folder, "checkpoint.npz")):
+            return folder
+    return cfg.out.replace("{dataset}", cfg.dataset)
+
+
+def resume_config(cfg):
+    """The run in cfg.out to continue: (its TrainConfig with cfg's permitted changes, the checkpoint, the
+    TrainConfig it was saved with, {field: new value} of the changes applied). A field of cfg that is not
+    its default and differs from the run's own is a change: applied if it is the run's length or its
+    evaluation cadence (RESUME_APPLIED), refused by name otherwise; where and how it runs always follow cfg."""
+    if cfg.out is None:
+        raise ValueError("resume needs out: the folder that holds checkpoint.npz")
+    out = _resume_folder(cfg)
+    ckpt_path = os.path.join(out, "checkpoint.npz")
+    if not os.path.exists(ckpt_path):
+        raise FileNotFoundError(f"--resume: no checkpoint at {ckpt_path!r} (train into --out {out!r} first)")
+    resumed = load_checkpoint(ckpt_path)
+    extra = resumed["meta"].get("extra") or {}
+    missing = [k for k in ("train_config", "step", "best_val_accuracy") if k not in extra]
+    if resumed["optimizer"] is None:
+        missing.append("optimizer state")
+    if missing:
+        raise ValueError(f"{ckpt_path!r} holds no training state to resume (no {', '.join(missing)}): "
+                         f"was it written by minivit.train?")
+    check_finite(resumed["params"], repr(ckpt_path))
+    fields = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+    saved = {k: tuple(v) if isinstance(v, list) else v for k, v in extra["train_config"].items()
+             if k in fields}                             # JSON made img_size a list; older runs may have more keys
+    before = TrainConfig(**saved)
+    fell_back = cfg.fallback and cfg.dataset == "cifar10" and saved.get("dataset") != "cifar10"
+    applied, refused = {}, []
+    for name, value in dataclasses.asdict(cfg).items():
+        if name in RESUME_RUNTIME or value == fields[name] or value == saved.get(name, fields[name]):
+            continue
+        if fell_back and name in ("dataset", "data_dir"):   # asked again for the CIFAR-10 it fell back from
+            continue
+        if name in RESUME_APPLIED:
+            applied[name] = value
+        else:
+            refused.append(f"{_flag(name)} {value!r} (the run's: {saved.get(name, fields[name])!r})")
+    if refused:
+        raise ValueError(f"--resume continues the run in {out} with its own settings, and these differ from "
+                         f"them: {'; '.join(refused)}. On resume only {', '.join(map(_flag, RESUME_APPLIED))} "
+                         f"may change; to change the rest, start a new run (another --out, or --overwrite)")
+    if "epochs" in applied or "max_steps" in applied:        # the new length, said as a fresh run says it
+        saved.update(epochs=applied.get("epochs"), max_steps=applied.get("max_steps"))
+    if "eval_every" in applied or "num_evals" in applied:
+        saved.update(eval_every=applied.get("eval_every"), num_evals=applied.get("num_evals"))
+    saved.update({k: getattr(cfg, k) for k in RESUME_RUNTIME}, out=out)
+    return TrainConfig(**saved), resumed, before, applied
+
+
+def _cadence(cfg):
+    if cfg.num_evals:
+        return f"{cfg.num_evals} evaluations evenly spaced"
+    return f"every {cfg.eval_every} steps" if cfg.eval_every else "at the end of each epoch"
+
+
+def run_length(cfg, steps_per_epoch):
+    """Optimizer steps of the run: ceil(epochs * steps_per_epoch), at most max_steps; max_steps alone: that many."""
+    total = math.ceil(cfg.epochs * steps_per_epoch) if cfg.epochs is not None else cfg.max_steps
+    return total if cfg.max_steps is None else min(total, cfg.max_steps)
+
+
+def _history_to_resume(out, step):
+    """The evaluation records of the run in out up to its checkpoint's step (a record written after the
+    checkpoint, and a torn last line, are dropped: the resumed run writes them again)."""
+    if not os.path.exists(os.path.join(out, "metrics.jsonl")):
+        return []
+    records = read_metrics(out)
+    kept = [r for r in records if r.get("step", 0) <= step]
+    if len(kept) < len(records):
+        print(f"dropped {len(records) - len(kept)} record(s) of {os.path.join(out, 'metrics.jsonl')} written "
+              f"after the checkpoint's step {step}", flush=True)
+    return kept
+
+
+def restore(run, resumed, before, applied):
+    """Put the checkpoint's state into run (weights, optimizer, dropout RNGs, loss scale, step, history),
+    and say what cfg changed: the run's length (its schedule recomputed) or its evaluation cadence."""
+    path, meta, extra = resumed["path"], resumed["meta"], resumed["meta"]["extra"]
+    if run.scaler is not None and "loss_scaler" not in extra:
+        raise ValueError(f"{path!r} has no loss-scaler state for its float16 run (an edited file?)")
+    try:
+        run.model.load_state_dict(resumed["params"])
+        run.optimizer.load_state_dict(resumed["optimizer"])
+    except (KeyError, TypeError, ValueError) as err:
+        raise ValueError(f"{path!r}: {err}") from None
+    restore_dropout_rngs(run.model, meta.get("dropout_rng") or {})
+    if run.scaler is not None:
+        run.scaler.load_state_dict(extra["loss_scaler"])
+    run.step = run.start_step = run.saved_step = extra["step"]
+    run.best = extra["best_val_accuracy"]
+    if run.total_steps < run.step:
+        raise ValueError(f"{' '.join(f'{_flag(k)} {v}' for k, v in applied.items())}: the run is already at "
+                         f"step {run.step}, past the {run.total_steps} steps that asks for")
+    run.history = _history_to_resume(run.cfg.out, run.step)
+    print(f"resuming {path} at step {run.step} of {run.total_steps}", flush=True)
+    old_total = run_length(resolve(before), run.steps_per_epoch)
+    if run.total_steps != old_total:
+        print(f"the run now ends at step {run.total_steps} instead of {old_total}: the learning-rate schedule is "
+              f"recomputed for {run.total_steps} steps from step {run.step} on, so the result differs from that "
+              f"of a run set up for {run.total_steps} steps from the start", flush=True)
+    if _cadence(run.cfg) != _cadence(before):
+        print(f"from step {run.step} on, evaluations and checkpoints {_cadence(run.cfg)} (the run had them "
+              f"{_cadence(before)})", flush=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# The run: set_up, run_loop, evaluate_and_save, finish
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Run:
+    """One training run: what set_up built, and the state that run_loop advances."""
+
+    cfg: TrainConfig            # resolved: every None filled in from the recipe
+    data: Dataset               # host arrays; x_train ... y_test below are their copies on the backend
+    model: object
+    optimizer: object
+    scaler: object              # an amp.LossScaler when precision is float16, else None
+    schedule: WarmupCosine      # the learning rate of each step
+    steps_per_epoch: int
+    total_steps: int
+    eval_steps: set             # evaluate, record and save after these steps (and at a Ctrl-C or SIGTERM)
+    given_model: bool = False   # a model passed to train(), not built from cfg
+    world: object = None        # several ranks (mpiexec): their communicator (minivit/distributed.py), else None
+    dp: object = None           # and the DataParallel that exchanges each step's gradients
+    x_train: object = None      # uint8 (N, H, W, C) on the backend
+    y_train: object = None      # int64 (N,)
+    x_test: object = None
+    y_test: object = None
+    step: int = 0               # optimizer steps done
+    best: float = 0.0           # the best validation accuracy so far
+    history: list = dataclasses.field(default_factory=list)   # one record per evaluation
+    saved_step: int = None      # the step of the checkpoint in cfg.out (None: none written yet)
+    start_step: int = 0         # where this session started (0, or the resumed step)
+    start_time: float = 0.0
+    eval_seconds: float = 0.0
+    seen_loss: float = 0.0      # the training loss, summed over the images seen since the last evaluation
+    seen_correct: int = 0
+    seen_images: int = 0
+
+    @property
+    def writes(self):
+        """One process, or rank 0 of several: the one that writes the run's files."""
+        return self.world is None or self.world.rank == 0
+
+    @property
+    def ckpt_path(self):
+        return None if self.cfg.out is None else os.path.join(self.cfg.out, "checkpoint.npz")
+
+    def images_per_second(self):
+        return (self.step - self.start_step) * self.cfg.batch_size / max(time.perf_counter() - self.start_time, 1e-9)
+
+    def diverged(self, what):
+        """The TrainingDiverged of this step: what was not finite, when, and which checkpoint is left."""
+        kept = ""
+        if self.ckpt_path is not None:
+            kept = (f" The last good checkpoint, of step {self.saved_step}, is kept at {self.ckpt_path}."
+                    if self.saved_step is not None else " No checkpoint had been written yet.")
+        return TrainingDiverged(f"{what} at step {self.step} (lr {self.optimizer.lr:.3g}); stopping.{kept} Try a "
+                                f"lower --lr, a longer warm-up or --clip-grad 1.0.", step=self.step)
 
 
 def train(cfg, callback=None, model=None, data=None):
     """Run training as cfg (a TrainConfig) says. Returns a TrainResult (model, history, summary, out).
 
     callback(record), if given, is called after each evaluation with its metrics dict. model: train this
-    model (a ViT, or any minivit Classifier such as conv.ResNet) instead of building cfg's. data: train on
+    model (a ViT, or any minivit Classifier such as resnet.ResNet) instead of building cfg's. data: train on
     this minivit.data.Dataset (e.g. a subset) instead of loading cfg.dataset. For experiments: max_steps
     without epochs runs exactly that many steps, num_evals evaluates that many times evenly spaced, and
-    out=None writes no file. A NaN or infinite loss raises TrainingDiverged (its .step says when)."""
+    out=None writes no file. A NaN or infinite loss, validation loss or parameter raises TrainingDiverged
+    (its .step says when). Every setting is checked before out is touched."""
+    run = set_up(cfg, model, data)
+    stopped_by = run_loop(run, callback)
+    return finish(run, stopped_by)
+
+
+def set_up(cfg, model=None, data=None):
+    """Check every setting, then build the run: its data, schedule, model, optimizer and any resumed
+    state; the run folder is touched only once all of that has succeeded. Returns a Run."""
     if not isinstance(cfg, TrainConfig):
         raise TypeError(f"cfg must be a TrainConfig, got {type(cfg).__name__}")
-    out = cfg.out
-    ckpt_path = None if out is None else os.path.join(out, "checkpoint.npz")
-    resumed = None
+    resumed, before, applied = None, None, {}
     if cfg.resume:
-        if out is None:
-            raise ValueError("resume needs out: the folder that holds checkpoint.npz")
-        if not os.path.exists(ckpt_path):
-            raise FileNotFoundError(f"--resume: no checkpoint at {ckpt_path!r} (train into --out {out!r} first)")
-        resumed = load_checkpoint(ckpt_path)
-        saved = resumed["meta"]["extra"].get("train_config")
-        if not saved:
-            raise ValueError(f"{ckpt_path!r} holds no training state (was it written by minivit.train?)")
-        saved.update({k: getattr(cfg, k) for k in RESUME_MAY_CHANGE})
-        cfg = TrainConfig(**saved)
+        cfg, resumed, before, applied = resume_config(cfg)
+    cfg, data = load_run_data(cfg, data)
     if cfg.backend:
         backend.set_backend(cfg.backend)
+    world = distributed.init()                      # None for one process (no mpiexec): nothing below changes
+    if world is not None:                           # each rank takes B / R images of every batch
+        distributed.check_global_batch(cfg.batch_size, world.world_size, cfg.grad_accum)
+        if world.rank != 0:                         # rank 0 alone shows the progress bar
+            cfg = dataclasses.replace(cfg, progress=False)
+    steps_per_epoch = data.x_train.shape[0] // cfg.batch_size
+    total_steps = run_length(cfg, steps_per_epoch)
+    warmup = cfg.warmup_steps if cfg.warmup_steps is not None else round((cfg.warmup_epochs or 0) * steps_per_epoch)
+    schedule = WarmupCosine(cfg.lr, total_steps, warmup_steps=min(warmup, total_steps), min_lr=cfg.min_lr)
+    given_model = model is not None
+    model = model if given_model else build_model(cfg, data, resumed)
+    model.train()                                   # a model given in eval mode would train without dropout
+    model.set_matmul_dtype("float16" if cfg.precision == "float16" else None)
+    scaler = LossScaler() if cfg.precision == "float16" else None
+    run = Run(cfg, data, model, build_optimizer(cfg, model), scaler, schedule, steps_per_epoch, total_steps,
+              evaluation_steps(cfg, total_steps, steps_per_epoch), given_model, world)
+    if resumed is not None:
+        restore(run, resumed, before, applied)
+    if world is not None:                           # after restore: ZeRO-1 shares out the optimizer state it loaded
+        run.dp = distributed.DataParallel(world, model, run.optimizer, zero=cfg.zero)
+    if cfg.out is not None and run.writes:          # every setting has been checked: now the folder is touched
+        open_out(cfg.out, overwrite=cfg.overwrite)
+        if resumed is not None and os.path.exists(os.path.join(cfg.out, "metrics.jsonl")):
+            _write_jsonl_atomic(os.path.join(cfg.out, "metrics.jsonl"), run.history)   # without torn or later lines
+    # the whole data set goes to the backend once (on CuPy it then lives on the GPU), its labels checked first
+    check_labels(data)
+    run.x_train, run.y_train = (backend.asarray(a, backend=model.backend) for a in (data.x_train, data.y_train))
+    x_test, y_test = (data.x_test, data.y_test) if world is None else distributed.shard(world, data.x_test, data.y_test)
+    run.x_test, run.y_test = (backend.asarray(a, backend=model.backend) for a in (x_test, y_test))
+    if cfg.verbose:
+        for line in announce_ops(model, run.optimizer, run.x_train[:2], data.mean, data.std, cfg.dtype):
+            print(line, flush=True)
+        print(f"training {model.num_params():,}-parameter {type(model).__name__} ({_describe(cfg, model, given_model)}) "
+              f"on {data.name} ({data.x_train.shape[0]} images, {data.num_classes} classes) with "
+              f"{backend.get_backend()}, {total_steps} steps of batch {cfg.batch_size}", flush=True)
+    return run
+
+
+def load_run_data(cfg, data=None):
+    """cfg checked, then resolved for the data set it trains on; that data set (loaded unless given,
+    downloaded or fallen back from as cfg allows), resized to cfg.img_size and cut to cfg.train_subset.
+    An out that holds a run in the way is refused first, if its name is known before the data."""
+    resolve(cfg if data is None else dataclasses.replace(cfg, dataset=data.name))  # every setting checked now,
+    if cfg.out is not None and "{dataset}" not in cfg.out:                          # before anything slow runs
+        check_out(cfg)
     if data is None:
         data, cfg = prepare_data(cfg)
     else:
         cfg = dataclasses.replace(cfg, dataset=data.name)     # the recipe defaults follow the data given
-    cfg = resolve(cfg)
+    cfg = resolve(cfg)                                        # after any fallback: that data set's recipe
+    if cfg.out is not None and "{dataset}" in cfg.out:
+        cfg = dataclasses.replace(cfg, out=cfg.out.replace("{dataset}", cfg.dataset))
+        check_out(cfg)
     if cfg.img_size is not None and data.image_shape[:2] != _pair(cfg.img_size):
         data = dataclasses.replace(data, x_train=resize_images(data.x_train, _pair(cfg.img_size)),
                                    x_test=resize_images(data.x_test, _pair(cfg.img_size)))
     if cfg.train_subset:
+        if cfg.train_subset > data.x_train.shape[0]:
+            raise ValueError(f"train_subset {cfg.train_subset} is more than the {data.x_train.shape[0]} training "
+                             f"images of {data.name}")
         data = dataclasses.replace(data, x_train=data.x_train[:cfg.train_subset], y_train=data.y_train[:cfg.train_subset])
-    n_train = data.x_train.shape[0]
-    if n_train < cfg.batch_size:
-        raise ValueError(f"batch_size {cfg.batch_size} is larger than the {n_train} training images")
-    steps_per_epoch = n_train // cfg.batch_size
-    total_steps = math.ceil(cfg.epochs * steps_per_epoch) if cfg.epochs is not None else cfg.max_steps
-    if cfg.max_steps is not None:
-        total_steps = min(total_steps, cfg.max_steps)
-    warmup = cfg.warmup_steps if cfg.warmup_steps is not None else round((cfg.warmup_epochs or 0) * steps_per_epoch)
-    schedule = WarmupCosine(cfg.lr, total_steps, warmup_steps=min(warmup, total_steps), min_lr=cfg.min_lr)
+    if data.x_train.shape[0] < cfg.batch_size:
+        raise ValueError(f"batch_size {cfg.batch_size} is larger than the {data.x_train.shape[0]} training images")
+    return cfg, data
 
-    given_model = model is not None
-    model = model if given_model else build_model(cfg, data)
-    model.train()                                   # a model given in eval mode would train without dropout
-    model.set_matmul_dtype("float16" if cfg.precision == "float16" else None)
-    scaler = LossScaler() if cfg.precision == "float16" else None
-    optimizer = build_optimizer(cfg, model)
-    step, best, history = 0, 0.0, []
-    if resumed is not None:
-        model.load_state_dict(resumed["params"])
-        optimizer.load_state_dict(resumed["optimizer"])
-        restore_dropout_rngs(model, resumed["meta"]["dropout_rng"])
-        extra = resumed["meta"]["extra"]
-        step, best = extra["step"], extra["best_val_accuracy"]
-        if scaler is not None:
-            scaler.load_state_dict(extra["loss_scaler"])
-        history = _read_history(os.path.join(out, "metrics.jsonl"))
-        print(f"resuming {ckpt_path} at step {step} of {total_steps}", flush=True)
-    if out is not None:
-        os.makedirs(out, exist_ok=True)
-        if resumed is None and os.path.exists(os.path.join(out, "metrics.jsonl")):
-            os.remove(os.path.join(out, "metrics.jsonl"))   # a fresh run starts a fresh log
 
-    # the whole data set goes to the backend once (on CuPy it then lives on the GPU)
-    dev = model.backend
-    x_train, y_train = backend.asarray(data.x_train, backend=dev), backend.asarray(data.y_train, backend=dev)
-    x_test, y_test = backend.asarray(data.x_test, backend=dev), backend.asarray(data.y_test, backend=dev)
+def evaluation_steps(cfg, total_steps, steps_per_epoch):
+    """The steps after which the run evaluates and saves: cfg's cadence, and always the last."""
     if cfg.num_evals:      # e.g. 4 evaluations of 150 steps: after steps 37, 75, 112 and 150
-        eval_steps = {max(1, total_steps * (i + 1) // cfg.num_evals) for i in range(cfg.num_evals)}
+        steps = {max(1, total_steps * (i + 1) // cfg.num_evals) for i in range(cfg.num_evals)}
     elif cfg.eval_every:
-        eval_steps = set(range(cfg.eval_every, total_steps + 1, cfg.eval_every))
+        steps = set(range(cfg.eval_every, total_steps + 1, cfg.eval_every))
     else:
-        eval_steps = set(range(steps_per_epoch, total_steps + 1, steps_per_epoch))
-    eval_steps.add(total_steps)
+        steps = set(range(steps_per_epoch, total_steps + 1, steps_per_epoch))
+    return steps | {total_steps}
 
-    def save(at_step):
-        extra = {"step": at_step, "best_val_accuracy": best, "train_config": dataclasses.asdict(cfg),
-                 "classes": data.classes, "mean": list(data.mean), "std": list(data.std), "dataset": data.name}
-        if scaler is not None:
-            extra["loss_scaler"] = scaler.state_dict()
-        save_checkpoint(ckpt_path, model, optimizer, extra)
 
-    if cfg.verbose:
-        for line in announce_ops(model, optimizer, x_train[:2], data.mean, data.std, cfg.dtype):
-            print(line, flush=True)
-        name = "a model given to train()" if given_model else (f"from {cfg.init}" if cfg.init else cfg.model)
-        c = model.config
-        shape = (f"D={c.embed_dim}, depth={c.depth}, patch={c.patch_size}, img={c.img_size}"
-                 if isinstance(c, ViTConfig) else model.extra_repr())
-        print(f"training {model.num_params():,}-parameter {type(model).__name__} ({name}: {shape}) on "
-              f"{data.name} ({n_train} images, {data.num_classes} classes) with {backend.get_backend()}, "
-              f"{total_steps} steps of batch {cfg.batch_size}", flush=True)
-    start_time, start_step = time.perf_counter(), step
-    run_loss, run_correct, run_seen, interrupted, eval_seconds = 0.0, 0, 0, False, 0.0
-    bar = tqdm(total=total_steps, initial=step, disable=not cfg.progress, unit="step", dynamic_ncols=True,
-               desc=f"{data.name}")
+def run_loop(run, callback=None):
+    """The optimizer steps from run.step to run.total_steps, as the module docstring writes them; after
+    each step of run.eval_steps, and after a Ctrl-C or SIGTERM, an evaluation and a checkpoint
+    (evaluate_and_save). Returns the name of the signal that stopped the run, or None."""
+    cfg, model, optimizer, data = run.cfg, run.model, run.optimizer, run.data
+    bar = tqdm(total=run.total_steps, initial=run.step, disable=not cfg.progress, unit="step", dynamic_ncols=True,
+               desc=data.name)
+    run.start_time, run.start_step = time.perf_counter(), run.step
     with _StopFlag() as flag:
-        while step < total_steps:
-            optimizer.lr = schedule(step)
-            x, y = batch_for_step(step, cfg, x_train, y_train, steps_per_epoch, data.mean, data.std, cfg.dtype,
-                                  data.num_classes)
-            try:
-                loss, correct, _ = train_step(model, optimizer, x, y, cfg, scaler)
-            except FloatingPointError as err:             # the loss scaler gave up: see amp.LossScaler
-                bar.close()
-                raise TrainingDiverged(f"at step {step}: {err}", step=step) from None
-            if not math.isfinite(loss):
-                bar.close()
-                kept = "" if ckpt_path is None else (f" The last good checkpoint is kept at {ckpt_path}"
-                                                     + ("" if os.path.exists(ckpt_path) else " (none yet)") + ".")
-                raise TrainingDiverged(f"the loss became {loss} at step {step} (lr {optimizer.lr:.3g}); stopping."
-                                       f"{kept} Try a lower --lr, a longer warm-up or --clip-grad 1.0.", step=step)
-            step += 1
-            run_loss += loss * x.shape[0]
-            run_correct += correct
-            run_seen += x.shape[0]
-            elapsed = time.perf_counter() - start_time
-            ips = (step - start_step) * cfg.batch_size / max(elapsed, 1e-9)
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss:.3f}", acc=f"{correct / x.shape[0]:.2f}", img_s=f"{ips:.0f}")
-            if step in eval_steps or flag.stop:
-                eval_start = time.perf_counter()
-                val_loss, val_acc = evaluate(model, x_test, y_test, data.mean, data.std, cfg.dtype,
-                                             cfg.eval_batch_size)
-                eval_seconds += time.perf_counter() - eval_start
-                best = max(best, val_acc)
-                record = {"step": step, "epoch": round(step / steps_per_epoch, 4),
-                          "train_loss": run_loss / max(run_seen, 1), "train_acc": run_correct / max(run_seen, 1),
-                          "val_loss": val_loss, "val_acc": val_acc, "lr": optimizer.lr,
-                          "images_per_second": ips, "wall_seconds": elapsed}
-                if scaler is not None:
-                    record.update(loss_scale=scaler.scale_value, skipped_steps=scaler.skipped_steps)
-                history.append(record)
-                if out is not None:
-                    _append_jsonl(os.path.join(out, "metrics.jsonl"), record)
-                    save(step)
-                if cfg.verbose:
-                    bar.write(f"epoch {record['epoch']:.2f} step {step}: train loss {record['train_loss']:.4f} "
-                              f"acc {record['train_acc']:.2%} | val loss {val_loss:.4f} acc {val_acc:.2%} | "
-                              f"{ips:.0f} img/s")
-                run_loss, run_correct, run_seen = 0.0, 0, 0
-                if callback is not None:
-                    callback(record)
-            if flag.stop:
-                interrupted = True
-                where = "no checkpoint (out=None)" if ckpt_path is None else \
-                    f"checkpoint saved to {ckpt_path}; continue with --resume"
-                bar.write(f"interrupted at step {step}: {where}")
-                break
-    bar.close()
-    wall = time.perf_counter() - start_time
-    summary = {"best_val_accuracy": best, "final_val_accuracy": history[-1]["val_acc"] if history else None,
-               "final_val_loss": history[-1]["val_loss"] if history else None,
-               "steps": step, "total_steps": total_steps, "epochs": round(step / steps_per_epoch, 4),
-               "wall_seconds": wall, "eval_seconds": eval_seconds,
-               "images_per_second": (step - start_step) * cfg.batch_size / max(wall, 1e-9),
-               "interrupted": interrupted, "backend": backend.get_backend(), "dataset": data.name,
-               "num_params": model.num_params(), "config": model.config.to_dict(),
-               "train_config": dataclasses.asdict(cfg)}
-    if scaler is not None:
-        summary.update(loss_scale=scaler.scale_value, skipped_steps=scaler.skipped_steps)
-    if out is not None:
+        try:
+            while run.step < run.total_steps:
+                optimizer.lr = run.schedule(run.step)
+                x, y = batch_for_step(run.step, cfg, run.x_train, run.y_train, run.steps_per_epoch, data.mean,
+                                      data.std, cfg.dtype, data.num_classes, run.world)  # (B, H, W, C), (B,) or (B, K)
+                if run.world is not None:   # dropout and drop-path draw from a stream of (seed, step, rank)
+                    distributed.seed_dropout(model, cfg.seed, run.step, run.world.rank)
+                try:
+                    loss, correct, _ = train_step(model, optimizer, x, y, cfg, run.scaler, run.dp)
+                except FloatingPointError as err:             # the loss scaler gave up: see amp.LossScaler
+                    raise run.diverged(str(err)) from None
+                if not math.isfinite(loss):
+                    raise run.diverged(f"the loss became {loss}")
+                run.step += 1
+                run.seen_loss += loss * cfg.batch_size        # (with several ranks x holds this rank's slice)
+                run.seen_correct += correct
+                run.seen_images += cfg.batch_size
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss:.3f}", acc=f"{correct / cfg.batch_size:.2f}",
+                                img_s=f"{run.images_per_second():.0f}")
+                if run.world is not None:   # a signal to any rank stops every rank, after this same step
+                    flag.agree(run.world)
+                if run.step in run.eval_steps or flag.stop:
+                    record = evaluate_and_save(run)
+                    if cfg.verbose:
+                        bar.write(f"epoch {record['epoch']:.2f} step {run.step}: train loss {record['train_loss']:.4f} "
+                                  f"acc {record['train_acc']:.2%} | val loss {record['val_loss']:.4f} acc "
+                                  f"{record['val_acc']:.2%} | {record['images_per_second']:.0f} img/s")
+                    if callback is not None:
+                        callback(record)
+                if flag.stop:
+                    where = "no checkpoint (out=None)" if run.ckpt_path is None else \
+                        f"checkpoint saved to {run.ckpt_path}; continue with --resume"
+                    bar.write(f"{signal.Signals(flag.signum).name} at step {run.step}: {where}")
+                    break
+        finally:
+            bar.close()
+    return None if flag.signum is None else signal.Signals(flag.signum).name
+
+
+def evaluate_and_save(run):
+    """Evaluate on the held-out split. If the loss and every parameter are finite, record the metrics
+    (run.history, metrics.jsonl) and save a checkpoint; if not, stop with TrainingDiverged, saving nothing.
+    Returns the record."""
+    start = time.perf_counter()
+    images_per_second, wall_seconds = run.images_per_second(), start - run.start_time   # of the training alone
+    val_loss, val_acc = evaluate(run.model, run.x_test, run.y_test, run.data.mean, run.data.std, run.cfg.dtype,
+                                 run.cfg.eval_batch_size)
+    if run.world is not None:                        # each rank evaluated its share: the means over the split
+        val_loss, val_acc = distributed.mean_over_ranks(run.world, [val_loss, val_acc], run.x_test.shape[0])
+    run.eval_seconds += time.perf_counter() - start
+    bad = non_finite_params(run.model)
+    if not math.isfinite(val_loss) or bad:
+        raise run.diverged(f"the validation loss became {val_loss}" if not math.isfinite(val_loss) else
+                           f"{len(bad)} parameters ({', '.join(bad[:3])}...) became NaN or infinite")
+    run.best = max(run.best, val_acc)
+    seen = max(run.seen_images, 1)
+    record = {"step": run.step, "epoch": round(run.step / run.steps_per_epoch, 4), "train_loss": run.seen_loss / seen,
+              "train_acc": run.seen_correct / seen, "val_loss": val_loss, "val_acc": val_acc, "lr": run.optimizer.lr,
+              "images_per_second": images_per_second, "wall_seconds": wall_seconds}
+    if run.scaler is not None:
+        record.update(loss_scale=run.scaler.scale_value, skipped_steps=run.scaler.skipped_steps)
+    run.history.append(record)
+    run.seen_loss, run.seen_correct, run.seen_images = 0.0, 0, 0
+    if run.cfg.out is not None and run.dp is not None:
+        run.dp.gather_optimizer_state()              # ZeRO-1: the whole state, for the checkpoint (every rank)
+    if run.cfg.out is not None and run.writes:      # rank 0 alone writes
+        _append_jsonl(os.path.join(run.cfg.out, "metrics.jsonl"), record)
+        extra = {"step": run.step, "best_val_accuracy": run.best, "train_config": dataclasses.asdict(run.cfg),
+                 "classes": run.data.classes, "mean": list(run.data.mean), "std": list(run.data.std),
+                 "dataset": run.data.name}
+        if run.scaler is not None:
+            extra["loss_scaler"] = run.scaler.state_dict()
+        try:
+            save_checkpoint(run.ckpt_path, run.model, run.optimizer, extra)
+        except OSError as err:
+            raise _naming_path(err, run.ckpt_path) from None
+    if run.cfg.out is not None:
+        run.saved_step = run.step
+    if run.dp is not None:
+        run.dp.release_optimizer_state()
+    return record
+
+
+def finish(run, stopped_by):
+    """The run's summary, written to out with the curves; returns the TrainResult."""
+    wall = time.perf_counter() - run.start_time
+    last = run.history[-1] if run.history else {}
+    summary = {"best_val_accuracy": run.best, "final_val_accuracy": last.get("val_acc"),
+               "final_val_loss": last.get("val_loss"), "steps": run.step, "total_steps": run.total_steps,
+               "epochs": round(run.step / run.steps_per_epoch, 4), "wall_seconds": wall,
+               "eval_seconds": run.eval_seconds,
+               "images_per_second": (run.step - run.start_step) * run.cfg.batch_size / max(wall, 1e-9),
+               "interrupted": stopped_by is not None, "signal": stopped_by, "backend": backend.get_backend(),
+               "dataset": run.data.name, "num_params": run.model.num_params(), "config": run.model.config.to_dict(),
+               "train_config": dataclasses.asdict(run.cfg), "world_size": 1 if run.world is None else run.world.world_size}
+    if run.scaler is not None:
+        summary.update(loss_scale=run.scaler.scale_value, skipped_steps=run.scaler.skipped_steps)
+    out = run.cfg.out
+    if out is not None and run.writes:
         _write_json_atomic(os.path.join(out, "summary.json"), summary)
-        if history:
+        if run.history:
             try:
                 from .plot import plot_curves
 
                 plot_curves(out, os.path.join(out, "curves.png"))
             except ImportError:  # matplotlib missing: the numbers are in metrics.jsonl
                 pass
-    return TrainResult(model, history, summary, out)
+    return TrainResult(run.model, run.history, summary, out)
 
 
 def _pair(size):
     return (size, size) if isinstance(size, int) else tuple(size)
 
 
-def _read_history(path):
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+def _describe(cfg, model, given_model):
+    """'vit_cifar_tiny with embed_dim, depth changed: D=64, depth=4, patch=4, img=(32, 32)' and the like."""
+    c = model.config
+    if not isinstance(c, ViTConfig):
+        return model.extra_repr()
+    if given_model or cfg.init:
+        name = "a model given to train()" if given_model else f"from {cfg.init}"
+    else:
+        preset = presets[cfg.model]
+        changed = [f for f in ("patch_size", "embed_dim", "depth", "num_heads", "mlp_ratio", "pool", "pos_embed", "stem",
+                               "drop_rate", "drop_path_rate") if getattr(c, f) != getattr(preset, f)]
+        name = cfg.model + (f" with {', '.join(changed)} changed" if changed else "")
+    return f"{name}: D={c.embed_dim}, depth={c.depth}, patch={c.patch_size}, img={c.img_size}"
 
 
 # --------------------------------------------------------------------------------------------------
-# The command line
+# The command line: one flag per TrainConfig field
 # --------------------------------------------------------------------------------------------------
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Each option's default after its help, except where it would mislead: an on/off flag is off unless
+    given ("--no-progress (default: True)" reads the wrong way round), and None means "see the help"."""
+
+    def _get_help_string(self, action):
+        if action.nargs == 0 or action.default is None:
+            return action.help
+        return super()._get_help_string(action)
 
 
 def _parser():
+    """The command line, generated from TrainConfig: each field's flag, type, default, choices and help."""
     p = argparse.ArgumentParser(prog="python -m minivit.train", description="Train a Vision Transformer.",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--dataset", default="cifar10", choices=DATASETS)
-    p.add_argument("--data-dir", help="folder of the data set (cifar10 default: data/)")
-    p.add_argument("--recipe", choices=sorted(RECIPES),
-                   help="named defaults (see README); default: fast for cifar10, fashion-cpu, demo for shapes/folder")
-    p.add_argument("--model", help="preset name, e.g. vit_cifar_tiny (default: the recipe's)")
-    for name, kind in (("img-size", int), ("patch-size", int), ("embed-dim", int), ("depth", int),
-                       ("num-heads", int), ("mlp-ratio", float), ("drop-rate", float), ("drop-path-rate", float),
-                       ("epochs", float), ("max-steps", int), ("batch-size", int), ("lr", float),
-                       ("weight-decay", float), ("warmup-epochs", float), ("warmup-steps", int),
-                       ("label-smoothing", float), ("clip-grad", float), ("eval-every", int), ("num-evals", int),
-                       ("train-subset", int)):
-        p.add_argument(f"--{name}", type=kind)
-    p.add_argument("--pool", choices=("cls", "gap"))
-    p.add_argument("--pos-embed", choices=("learned", "learned2d", "sincos2d", "none"))
-    p.add_argument("--stem", choices=("patch", "conv"), help="conv: the hybrid, a CNN feature map cut into 1x1 patches")
-    p.add_argument("--grad-accum", type=int, default=1)
-    p.add_argument("--min-lr", type=float, default=0.0)
-    p.add_argument("--momentum", type=float, default=0.9)
-    p.add_argument("--optimizer", choices=("adamw", "sgd"))
-    p.add_argument("--augment", choices=A.POLICIES)
-    p.add_argument("--mixup", type=float, default=0.0)
-    p.add_argument("--cutmix", type=float, default=0.0)
-    p.add_argument("--random-erasing", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--backend", choices=backend.BACKENDS)
-    p.add_argument("--dtype", default="float32", choices=("float32", "float64"))
-    p.add_argument("--precision", default="float32", choices=("float32", "float16"),
-                   help="float16: mixed precision (float16 matmuls, float32 master weights, loss scaling); for the GPU")
-    p.add_argument("--out", default="runs/default", help="folder for metrics, checkpoint and plots")
-    p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.npz")
-    p.add_argument("--init", help="start from pretrained weights (.npz or .safetensors)")
-    p.add_argument("--keep-head", dest="new_head", action="store_false",
-                   help="with --init: keep the checkpoint's head instead of a new zero-initialised one")
-    p.add_argument("--init-gelu", choices=("erf", "tanh"), help="with --init: the GELU the checkpoint was trained with")
-    p.add_argument("--download", action="store_true", help="cifar10: download it when missing")
-    p.add_argument("--fallback", action="store_true", help="cifar10 unavailable: use Fashion-MNIST or shapes")
-    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+                                formatter_class=_HelpFormatter)
+    for f in dataclasses.fields(TrainConfig):
+        help = f.metadata["help"]
+        if f.type is bool:         # an on/off flag: given, it turns the field's default around
+            p.add_argument(_flag(f.name), dest=f.name, action="store_false" if f.default else "store_true", help=help)
+        else:
+            p.add_argument(_flag(f.name), dest=f.name, type=f.metadata["parse"] or f.type, default=f.default,
+                           choices=f.metadata["choices"], help=help)
     return p
 
 
 def main(argv=None):
-    args = vars(_parser().parse_args(argv))
-    cfg = TrainConfig(**{k: v for k, v in args.items()})
+    cfg = TrainConfig(**vars(_parser().parse_args(argv)))
     try:
         result = train(cfg)
     except TrainingDiverged as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
-    except (ValueError, FileNotFoundError, RuntimeError) as err:
+    except OSError as err:             # permission, no space left, a file in the way: one line, the path and why
+        where = f"{err.filename}: {err.strerror}" if err.filename and err.strerror else str(err)
+        print(f"error: {where}", file=sys.stderr)
+        return 2
+    except (ValueError, TypeError, RuntimeError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     s = result.summary
@@ -669,8 +1098,8 @@ def main(argv=None):
         print(f"done: {s['steps']} steps in {s['wall_seconds']:.0f} s ({s['images_per_second']:.0f} img/s); "
               f"final val accuracy {s['final_val_accuracy']:.2%}, best {s['best_val_accuracy']:.2%}; "
               f"results in {result.out}/")
-    return 130 if s["interrupted"] else 0
+    return 128 + getattr(signal, s["signal"]) if s["signal"] else 0   # 130 after Ctrl-C, 143 after SIGTERM
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(distributed.exit_status(main()))   # with several ranks, an error on one ends them all

@@ -12,6 +12,7 @@ import pytest
 import minivit
 from minivit import conv as Cv
 from minivit import layers as L
+from minivit.resnet import ResNet, ResNetConfig
 
 torch = pytest.importorskip("torch")
 TF = pytest.importorskip("torch.nn.functional")
@@ -102,8 +103,8 @@ def torch_resnet(model, x):
 
 def test_resnet_logits_and_every_gradient_match_torch():
     rng = np.random.default_rng(2)
-    cfg = Cv.ResNetConfig(img_size=12, in_chans=3, num_classes=5, widths=(8, 16, 24), depths=(2, 1, 1))
-    model = Cv.ResNet(cfg, seed=3, dtype="float64")
+    cfg = ResNetConfig(img_size=12, in_chans=3, num_classes=5, widths=(8, 16, 24), depths=(2, 1, 1))
+    model = ResNet(cfg, seed=3, dtype="float64")
     for k, p in model.params.items():            # norms and biases away from 1 / 0
         if "norm" in k or k.endswith("bias"):
             p += minivit.asarray(0.1 * rng.standard_normal(p.shape))

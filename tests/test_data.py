@@ -345,6 +345,24 @@ def test_image_folder_keeps_exact_pixels_at_native_size(tmp_path):
     np.testing.assert_array_equal(x_train[0], pixels)
 
 
+def test_image_folder_scales_16_bit_images_instead_of_clipping_them(tmp_path):
+    from PIL import Image
+
+    from minivit.data import read_image
+
+    wide = (np.arange(8 * 8, dtype=np.uint16).reshape(8, 8) * 1000)        # 0 .. 63000 of 65535
+    for split in ("train", "val"):
+        (tmp_path / split / "only").mkdir(parents=True)
+        Image.fromarray(wide).save(tmp_path / split / "only" / "x.png")       # a 16-bit grey PNG
+    with Image.open(tmp_path / "train" / "only" / "x.png") as im:
+        assert im.mode.startswith("I")                                      # Pillow reads it as 16-bit
+    ((x_train, _), _), _ = load_image_folder(tmp_path, 8)
+    expected = np.rint(wide / 257.0).astype(np.uint8)                       # 65535 -> 255, not clipped
+    np.testing.assert_array_equal(x_train[0, ..., 0], expected)
+    np.testing.assert_array_equal(x_train[0, ..., 2], expected)
+    assert read_image(tmp_path / "val" / "only" / "x.png", 8, mode="L").shape == (8, 8, 1)
+
+
 def test_image_folder_val_class_not_in_train(tmp_path):
     _write_image_folder(tmp_path)
     (tmp_path / "val" / "zebra").mkdir()
@@ -404,6 +422,13 @@ def test_shapes_deterministic_and_streams_differ():
     np.testing.assert_array_equal(at, dt)  # the test set does not depend on num_train
 
 
+def test_shapes_are_drawn_once_and_each_caller_gets_its_own_copy():
+    (a, _), _ = make_shapes(num_train=20, num_test=10, seed=5)
+    a[:] = 0                                   # a caller's change stays in its copy
+    (b, _), _ = make_shapes(num_train=20, num_test=10, seed=5)
+    assert b.std() > 30 and b.flags.writeable and b is not a
+
+
 def test_shapes_other_size_and_bad_arguments():
     (x, _), _ = make_shapes(num_train=20, num_test=10, img_size=48)
     assert x.shape == (20, 48, 48, 3)
@@ -429,6 +454,9 @@ def test_shapes_class_is_decided_by_shape_not_colour():
 
 def test_shapes_default_size_is_fast():
     """12000 images in under 3 s of CPU time (process time: other jobs on a shared machine don't count)."""
+    from minivit.data import _drawn_shapes
+
+    _drawn_shapes.cache_clear()        # draw them, not read them from the cache of an earlier test
     start = time.process_time()
     (x, _), (xt, _) = make_shapes()
     elapsed = time.process_time() - start

@@ -10,6 +10,8 @@ the gradient of the attention's key bias is zero up to rounding, softmax ignores
 so that array holds rounding noise in both runs and its own relative difference measures nothing.)
 """
 
+import importlib.util
+import json
 import os
 import shutil
 import subprocess
@@ -29,11 +31,8 @@ from minivit.model import ViT, ViTConfig  # noqa: E402
 from minivit.optim import SGD, AdamW, clip_grad_norm, default_no_decay  # noqa: E402
 
 MPIEXEC = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which("mpiexec")
-try:
-    import mpi4py  # noqa: F401
-    HAVE_MPI = MPIEXEC is not None
-except ImportError:
-    HAVE_MPI = False
+# found, not imported: the 1-process trainer must not import it (checked below)
+HAVE_MPI = MPIEXEC is not None and importlib.util.find_spec("mpi4py") is not None
 needs_mpi = pytest.mark.skipif(not HAVE_MPI, reason=f"needs mpi4py and mpiexec: {dist.INSTALL}")
 
 B = 8   # the global batch: 4 images per rank on 2 ranks
@@ -211,6 +210,94 @@ def worker_faults(comm, scenario):
 
 
 # --------------------------------------------------------------------------------------------------
+# The trainer under mpiexec: minivit.train.train on every rank, against train in one process
+# --------------------------------------------------------------------------------------------------
+
+# float64, no augmentation or dropout, a constant learning rate (min_lr = lr: a run stopped after 2 steps
+# and resumed to 4 follows the schedule of a 4-step run), an evaluation and a checkpoint every 2 steps
+TRAIN = dict(dataset="shapes", model="vit_cifar_tiny", embed_dim=16, depth=2, num_heads=2, mlp_ratio=2.0,
+             patch_size=4, dtype="float64", batch_size=8, max_steps=4, eval_every=2, lr=3e-3, min_lr=3e-3,
+             warmup_steps=0, augment="none", optimizer="adamw", weight_decay=0.05, progress=False, verbose=False)
+RUNS = {   # name: the changes to TRAIN; each runs on 2 ranks, and (but "half") in one process
+    "adamw": {},
+    "sgd_accum_clip": dict(optimizer="sgd", grad_accum=2, clip_grad=0.05),
+    "adamw_accum_clip_zero": dict(grad_accum=2, clip_grad=0.05, zero=True),
+    "half": dict(max_steps=2),                      # 2 ranks, resumed below by one process to step 4 (= "adamw")
+    "resumed": dict(resume=True),                   # one process's 2 steps, resumed here by 2 ranks to step 4
+    "dropout_augment": dict(drop_rate=0.1, augment="standard"),
+}
+
+
+def tiny_shapes():
+    """64 training and 9 test images of 8 x 8 (9: the ranks' evaluation shards are 5 and 4 images)."""
+    from minivit.data import Dataset, make_shapes
+
+    (x, y), (xt, yt) = make_shapes(num_train=64, num_test=9, seed=0, img_size=8)
+    mean = tuple(float(v) for v in x.reshape(-1, 3).mean(0) / 255)
+    std = tuple(float(v) for v in x.reshape(-1, 3).std(0) / 255)
+    return Dataset("shapes", x, y, xt, yt, [str(k) for k in range(10)], mean, std)
+
+
+def train_run(name, out, **changes):
+    """minivit.train.train of RUNS[name] (and changes) into out/runs/NAME, in this process."""
+    from minivit.train import TrainConfig, train
+
+    cfg = TrainConfig(**{**TRAIN, **RUNS[name], "out": os.path.join(out, "runs", name), **changes})
+    return train(cfg, data=tiny_shapes())
+
+
+def watch_writes(root):
+    """Record every file this process opens for writing, renames or removes under root (an audit hook)."""
+    writes = []
+    write_flags = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
+
+    def hook(event, args):
+        if event == "open" and isinstance(args[0], str) and args[0].startswith(root):
+            mode, flags = args[1], args[2]
+            if (mode and any(c in mode for c in "wax+")) or (mode is None and flags & write_flags):
+                writes.append(args[0])
+        elif event in ("os.rename", "os.remove") and str(args[0]).startswith(root):
+            writes.append(str(args[0]))
+
+    sys.addaudithook(hook)
+    return writes
+
+
+def worker_trainer(comm, out):
+    """Every run of RUNS through the trainer; each rank saves its final parameters and summary, rank 1
+    the files it wrote under runs/ (it should write none); and a global batch that does not divide."""
+    from minivit.train import TrainConfig, train
+
+    writes = watch_writes(os.path.join(out, "runs"))
+    results = os.path.join(out, "results")
+    for name in RUNS:
+        result = train_run(name, out)
+        params = {k: minivit.to_numpy(v) for k, v in result.model.params.items()}
+        np.savez(os.path.join(results, f"{name}.rank{comm.rank}.npz"), **params)
+    try:
+        train(TrainConfig(**dict(TRAIN, batch_size=9, out=None)), data=tiny_shapes())
+        refused = "not refused"
+    except ValueError as err:
+        refused = str(err)
+    with open(os.path.join(results, f"rank{comm.rank}.json"), "w") as f:
+        json.dump({"writes": writes, "refused": refused}, f)
+
+
+def worker_trainer_killed(comm, out):
+    """Rank 1 is killed (SIGKILL) at the first evaluation; rank 0 would wait for it in the next step."""
+    import signal
+
+    def callback(record):
+        if comm.rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    from minivit.train import TrainConfig, train
+
+    cfg = TrainConfig(**dict(TRAIN, max_steps=40, out=os.path.join(out, "runs", "killed")))
+    train(cfg, callback=callback, data=tiny_shapes())
+
+
+# --------------------------------------------------------------------------------------------------
 # The tests
 # --------------------------------------------------------------------------------------------------
 
@@ -307,7 +394,7 @@ def test_evaluation_overflow_and_contrastive_features(tmp_path):
     values = np.arange(7.0) ** 2
     np.testing.assert_allclose(results["eval_mean"], [values.mean(), (values > 10).mean()], rtol=1e-14)
     # rank 1's overflow alone makes both ranks skip, with and without ZeRO
-    assert results["finite_zero0"] is False and results["finite_zero1"] is False
+    assert not results["finite_zero0"] and not results["finite_zero1"]
     assert results["gathered_equal"]
     # the contrastive loss of the global batch, and its gradient for every feature, as one process has it
     rng = np.random.default_rng(3)
@@ -336,6 +423,131 @@ def test_a_failed_rank_ends_the_others(tmp_path, scenario, status):
         assert "rank 0 waited more than 3 s for the other ranks in the gradient all-reduce" in run.stderr
     if scenario == "raises":
         assert "error: rank 1 broke" in run.stderr
+
+
+@pytest.fixture(scope="module")
+def trainer_runs(tmp_path_factory):
+    """One mpiexec -n 2 job running every run of RUNS through minivit.train.train (worker_trainer), and
+    the same runs in this process; before it, this process's first 2 steps of "resumed", which the job
+    continues, and after it, this process continues the job's "half" to step 4."""
+    if not HAVE_MPI:
+        pytest.skip(f"needs mpi4py and mpiexec: {dist.INSTALL}")
+    out, ref = tmp_path_factory.mktemp("ranks"), str(tmp_path_factory.mktemp("one"))
+    os.makedirs(out / "results")
+    train_run("resumed", str(out), resume=False, max_steps=2)
+    run = mpiexec(2, ["tests/test_distributed.py", "trainer", str(out)], timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    had_mpi4py = "mpi4py" in sys.modules
+    one = {name: train_run(name, ref) for name in ("adamw", "sgd_accum_clip", "adamw_accum_clip_zero")}
+    half = train_run("half", str(out), resume=True, max_steps=4)      # 2 ranks' 2 steps, then 1 process's 2
+    assert had_mpi4py or "mpi4py" not in sys.modules, "one process imported mpi4py"
+    return out, ref, one, half
+
+
+def params_of(result):
+    return {k: minivit.to_numpy(v) for k, v in result.model.params.items()}
+
+
+def optimizer_state(folder):
+    """The optimizer's step count and buffers ("kind/name" -> array) in folder's checkpoint.npz."""
+    from minivit.checkpoint import load_checkpoint
+
+    state = load_checkpoint(os.path.join(folder, "checkpoint.npz"))["optimizer"]
+    return state["step"], flat_state(state)
+
+
+@needs_mpi
+@pytest.mark.parametrize("name", ["adamw", "sgd_accum_clip", "adamw_accum_clip_zero"])
+def test_trainer_on_two_ranks_equals_one_process(trainer_runs, name):
+    """The trainer's 4 steps on 2 ranks x 4 images = 1 process x 8 images, in float64: the parameters, the
+    optimizer state in the checkpoint, and every recorded loss (training, and the sharded evaluation)."""
+    out, ref, one, _ = trainer_runs
+    got = dict(np.load(out / "results" / f"{name}.rank0.npz"))
+    assert max_rel(got, params_of(one[name])) < 1e-10
+    other = dict(np.load(out / "results" / f"{name}.rank1.npz"))
+    for k in got:                                   # rank 1 holds exactly rank 0's parameters
+        np.testing.assert_array_equal(other[k], got[k])
+    step, state = optimizer_state(out / "runs" / name)
+    ref_step, ref_state = optimizer_state(os.path.join(ref, "runs", name))
+    assert step == ref_step == 4 and len(state) == len(ref_state) > 0
+    assert max_rel(state, ref_state) < 1e-10
+    lines = [json.loads(line) for line in open(out / "runs" / name / "metrics.jsonl")]
+    assert [r["step"] for r in lines] == [r["step"] for r in one[name].history] == [2, 4]
+    for mine, theirs in zip(lines, one[name].history):
+        for key in ("train_loss", "val_loss", "train_acc", "val_acc"):
+            assert abs(mine[key] - theirs[key]) <= 1e-10 * max(1.0, abs(theirs[key])), key
+    summary = json.load(open(out / "runs" / name / "summary.json"))
+    assert summary["world_size"] == 2 and one[name].summary["world_size"] == 1
+
+
+@needs_mpi
+def test_trainer_resumes_with_another_number_of_ranks(trainer_runs):
+    """1 process for 2 steps, then 2 ranks for 2; 2 ranks for 2 steps, then 1 process for 2: both end as
+    4 uninterrupted steps of one process."""
+    out, _, one, half = trainer_runs
+    reference = params_of(one["adamw"])
+    assert max_rel(dict(np.load(out / "results" / "resumed.rank0.npz")), reference) < 1e-10
+    assert half.summary["steps"] == 4 and max_rel(params_of(half), reference) < 1e-10
+    step, state = optimizer_state(out / "runs" / "resumed")
+    assert step == 4 and max_rel(state, optimizer_state(out / "runs" / "half")[1]) < 1e-10
+
+
+@needs_mpi
+def test_trainer_rank_0_alone_writes_and_ranks_stay_in_step(trainer_runs):
+    out = trainer_runs[0]
+    rank0 = json.load(open(out / "results" / "rank0.json"))
+    rank1 = json.load(open(out / "results" / "rank1.json"))
+    assert rank1["writes"] == []
+    assert any(p.endswith("metrics.jsonl") for p in rank0["writes"])   # the watch sees writes where they happen
+    for name in RUNS:
+        for file in ("checkpoint.npz", "metrics.jsonl", "summary.json", "curves.png"):
+            assert (out / "runs" / name / file).exists(), (name, file)
+    # with dropout and augmentation each rank draws its own masks, and the parameters still stay equal
+    got = dict(np.load(out / "results" / "dropout_augment.rank0.npz"))
+    other = dict(np.load(out / "results" / "dropout_augment.rank1.npz"))
+    for k in got:
+        np.testing.assert_array_equal(other[k], got[k])
+    assert all(np.isfinite(v).all() for v in got.values())
+    for refused in (rank0["refused"], rank1["refused"]):
+        assert "the global batch size 9 must divide by the number of ranks 2" in refused
+
+
+@needs_mpi
+def test_trainer_ends_when_a_rank_is_killed(tmp_path):
+    """Rank 1 is killed mid-run: the job ends within seconds, with an error that says so."""
+    os.makedirs(tmp_path / "results")
+    start = time.monotonic()
+    run = mpiexec(2, ["tests/test_distributed.py", "trainer_killed", str(tmp_path)], timeout=120,
+                  MINIVIT_DIST_TIMEOUT="5")
+    assert run.returncode != 0 and time.monotonic() - start < 60
+    assert "BAD TERMINATION" in run.stdout and "Killed (signal 9)" in run.stdout   # mpiexec says which
+    assert not (tmp_path / "runs" / "killed" / "summary.json").exists()
+
+
+@needs_mpi
+def test_command_line_on_two_ranks_stops_once_on_sigterm(tmp_path):
+    """`mpiexec -n 2 python -m minivit.train`: SIGTERM to the job after its first evaluation. Both ranks stop
+    after the same step, rank 0 saves the checkpoint of that step, prints once, and the job exits 143."""
+    import signal
+
+    out = tmp_path / "run"
+    cmd = [MPIEXEC, "-n", "2", sys.executable, "-m", "minivit.train", "--dataset", "shapes", "--train-subset", "128",
+           "--embed-dim", "16", "--depth", "1", "--num-heads", "2", "--patch-size", "8", "--batch-size", "8",
+           "--max-steps", "100000", "--eval-every", "3", "--eval-batch-size", "1000", "--out", str(out)]
+    job = subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not (out / "metrics.jsonl").exists() and time.monotonic() < deadline and job.poll() is None:
+        time.sleep(0.2)
+    job.send_signal(signal.SIGTERM)
+    stdout, stderr = job.communicate(timeout=60)
+    assert job.returncode == 143, stdout + stderr
+    summary = json.load(open(out / "summary.json"))
+    assert summary["interrupted"] and summary["signal"] == "SIGTERM" and summary["world_size"] == 2
+    from minivit.checkpoint import load_checkpoint
+
+    assert load_checkpoint(str(out))["meta"]["extra"]["step"] == summary["steps"] > 3
+    assert stdout.count("SIGTERM at step") == 1 and stdout.count("done:") == 1 and stdout.count("training ") == 1
+    assert stderr.count(" 0/100000 ") == 1          # one progress bar: rank 0's
 
 
 @pytest.mark.gpu
@@ -369,6 +581,10 @@ if __name__ == "__main__":
         worker_loops(world, out_dir)
     elif scenario == "collectives":
         worker_collectives(world, out_dir)
+    elif scenario == "trainer":
+        worker_trainer(world, out_dir)
+    elif scenario == "trainer_killed":
+        worker_trainer_killed(world, out_dir)
     else:
         worker_faults(world, scenario)
     sys.exit(0)

@@ -254,8 +254,8 @@ def test_attention_layer_shows_its_weights_from_either_cache(rng, reference):
     """Attention.attn, for plots: the weights, whichever forward ran (fast paths off here, then on)."""
     from minivit import layers as L
 
-    att = L.Attention(8, num_heads=2, rng=np.random.default_rng(0))
-    x = rng.standard_normal((2, 5, 8)).astype(np.float32)
+    att = L.Attention(8, num_heads=2, rng=np.random.default_rng(0))         # on the current backend,
+    x = minivit.asarray(rng.standard_normal((2, 5, 8)).astype(np.float32))  # and so is its input
     att.forward(x)
     ref_weights = att.attn.copy()
     ops.set_fast_kernels(True)

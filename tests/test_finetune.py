@@ -3,8 +3,8 @@ resizes the position embeddings for the new resolution, and follows the "finetun
 
 import numpy as np
 
-from minivit import ViT
-from minivit.convert import resize_pos_embed
+from minivit.convert import from_pretrained
+from minivit.layers import resize_pos_embed
 from minivit.train import TrainConfig, train
 
 
@@ -18,7 +18,7 @@ def test_finetune_from_a_checkpoint_at_a_higher_resolution(tmp_path):
     # the model that train() builds for --init (the same call as train.build_model): the checkpoint's
     # weights, the position embeddings resized from the 8x8 grid to 12x12, a zero-initialised head (the
     # paper's; train() asks for it by default), the rest untouched
-    start = ViT.from_pretrained(ckpt, num_classes=10, img_size=48, verbose=False, new_head=True)
+    start = from_pretrained(ckpt, num_classes=10, img_size=48, verbose=False, new_head=True)
     got = {k: np.array(v) for k, v in start.state_dict().items()}
     assert got.keys() == before.keys()
     for k, v in before.items():

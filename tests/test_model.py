@@ -1,4 +1,7 @@
-"""The assembled ViT: config checks, parameter counts, the shape trace, saving/loading, bad input."""
+"""The assembled ViT: config checks, parameter names and counts, FLOPs, the shape trace, saving/loading, bad input."""
+
+import dataclasses
+import itertools
 
 import numpy as np
 import pytest
@@ -23,10 +26,63 @@ def test_presets_have_timms_parameter_counts(name):
     assert minivit.presets[name].num_params() == TIMM_COUNTS[name]
 
 
-@pytest.mark.parametrize("config", [tiny(), tiny(pool="gap"), tiny(qkv_bias=False, img_size=(8, 12), in_chans=1),
-                                    minivit.presets["vit_cifar_tiny"]])
-def test_num_params_matches_the_allocated_model(config):
-    assert ViT(config).num_params() == config.num_params()
+def built_shapes(config):
+    """name -> shape of the parameters a ViT(config) really allocates, in its order."""
+    return [(name, tuple(p.shape)) for name, p in ViT(config).params.items()]
+
+
+# the ImageNet presets with one block (the blocks repeat; the full depth's count is checked against timm above)
+PRESETS = [c if c.img_size == (32, 32) else dataclasses.replace(c, depth=1) for _, c in sorted(minivit.presets.items())]
+OPTIONS = [dict(pos_embed=pos, stem=stem, pool=pool, representation_size=R, qkv_bias=bias)
+           for pos, stem, pool, R, bias in itertools.product(("learned", "learned2d", "sincos2d", "none"),
+                                                             ("patch", "conv"), ("cls", "gap"), (None, 6), (True, False))]
+
+
+@pytest.mark.parametrize("config", PRESETS, ids=sorted(minivit.presets))
+def test_param_shapes_are_the_presets_models(config):
+    assert list(minivit.param_shapes(config).items()) == built_shapes(config)
+    assert config.num_params() == ViT(config).num_params()
+
+
+@pytest.mark.parametrize("options", OPTIONS, ids=lambda o: "-".join(str(v) for v in o.values()))
+def test_param_shapes_are_the_built_model_for_every_option(options):
+    config = ViTConfig(img_size=(16, 8), patch_size=4, in_chans=2, num_classes=5, embed_dim=12, depth=2,
+                       num_heads=3, stem_width=4, **options)
+    assert list(minivit.param_shapes(config).items()) == built_shapes(config)   # names, shapes and order
+    assert config.num_params() == ViT(config).num_params()
+
+
+def test_flops_of_a_small_config_by_hand():
+    # 8x8x1 images, P = 4: N = 4 patches, T = 5 tokens; D = 8, M = 16, K = 3, one block
+    c = ViTConfig(img_size=8, patch_size=4, in_chans=1, num_classes=3, embed_dim=8, depth=1, num_heads=2,
+                  mlp_ratio=2.0)
+    patch = 2 * 4 * 16 * 8                              # x_p E: 4 patches of 16 values -> 8     = 1024
+    linears = 2 * 5 * (3 * 64 + 64 + 2 * 8 * 16)        # qkv, proj, fc1, fc2 on 5 tokens        = 5120
+    attention = 2 * 2 * 5 * 5 * 8                       # q k^T and a v                          = 800
+    head = 2 * 8 * 3                                    #                                        = 48
+    assert minivit.flops(c) == patch + linears + attention + head == 6992
+    # GAP: 4 tokens through the block
+    assert minivit.flops(dataclasses.replace(c, pool="gap")) == 1024 + 2 * 4 * 512 + 4 * 16 * 8 + 48 == 5680
+    # a representation layer D -> R = 5 before the head: 2 D R + 2 R K in place of 2 D K
+    assert minivit.flops(dataclasses.replace(c, representation_size=5)) == 6992 - 48 + 2 * 8 * 5 + 2 * 5 * 3
+    # the conv stem, stem_width 2: 3x3 convs 1 -> 2 at 8x8 (stride 1), 2 -> 4 at 4x4, 4 -> 8 at 2x2, then 8 -> D
+    stem = 2 * 64 * 9 * 1 * 2 + 2 * 16 * 9 * 2 * 4 + 2 * 4 * 9 * 4 * 8 + 2 * 4 * 8 * 8   # = 7424
+    assert minivit.flops(dataclasses.replace(c, stem="conv", stem_width=2)) == stem + 5120 + 800 + 48 == 13392
+    with pytest.raises(TypeError, match="ResNetConfig"):
+        minivit.flops(minivit.resnet.ResNetConfig())
+
+
+def test_named_sublayers_name_each_layer_by_its_parameters_prefix():
+    model = ViT(tiny(depth=1))
+    pairs = list(model.named_sublayers())
+    assert pairs[0] == ("", model) and ("", model.pos_embed) in pairs     # timm's top-level cls_token, pos_embed
+    names = dict(pairs[1:])
+    assert names["blocks.0.attn.qkv"] is model.blocks[0].attn.qkv and names["head"] is model.head
+    for name, layer in pairs:                           # each leaf's parameters sit under its name
+        if not layer.children:
+            prefix = f"{name}." if name else ""
+            assert {prefix + k for k in layer.params} <= set(model.params), name
+    assert list(model.sublayers()) == [layer for _, layer in pairs]
 
 
 def test_config_properties():
@@ -99,10 +155,7 @@ def test_eval_mode_keeps_no_caches(rng):
     model.forward(minivit.asarray(rng.standard_normal((2, 16, 16, 3)), dtype="float32"))
 
     def caches(layer):
-        found = [layer.cache] if layer.cache is not None else []
-        for child in layer.children.values():
-            found += caches(child)
-        return found
+        return [sub.cache for sub in layer.sublayers() if sub.cache is not None]
 
     assert caches(model) == []
     with pytest.raises(RuntimeError, match="training mode"):

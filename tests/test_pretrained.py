@@ -86,7 +86,7 @@ def test_google_npz_round_trip_gives_identical_parameters_and_logits(name, tmp_p
     x = images(config)
     np.testing.assert_array_equal(logits_of(loaded, x), logits_of(model, x))
     # the one-call path reads the same file to the same model
-    again = ViT.from_pretrained(path, gelu=config.gelu, checkpoint_img_size=img_size, dtype="float64", verbose=False)
+    again = convert.from_pretrained(path, gelu=config.gelu, checkpoint_img_size=img_size, dtype="float64", verbose=False)
     np.testing.assert_array_equal(logits_of(again, x), logits_of(model, x))
 
 
@@ -147,10 +147,10 @@ def test_jax_checkpoints_default_to_tanh_gelu_and_say_so(tmp_path, capsys):
     config = tiny(gelu="tanh")
     path = tmp_path / "ViT.npz"
     convert.to_google_npz(perturbed(config).state_dict(), config, path)
-    assert ViT.from_pretrained(path).config.gelu == "tanh"
+    assert convert.from_pretrained(path).config.gelu == "tanh"
     out = capsys.readouterr().out
     assert "gelu='tanh'" in out and "Flax" in out
-    assert ViT.from_pretrained(path, gelu="erf").config.gelu == "erf"   # the caller overrides
+    assert convert.from_pretrained(path, gelu="erf").config.gelu == "erf"   # the caller overrides
     assert capsys.readouterr().out == ""                                # and is not told what it chose
 
 
@@ -176,7 +176,7 @@ def test_timm_safetensors_load_to_identical_parameters(tmp_path, kw):
     path = tmp_path / "model.safetensors"
     st.save_file(convert.to_timm(model.state_dict(), config.patch_size, config.in_chans), str(path))
     img_size = kw.get("img_size")
-    loaded = ViT.from_pretrained(path, num_heads=4, checkpoint_img_size=img_size, dtype="float64", verbose=False)
+    loaded = convert.from_pretrained(path, num_heads=4, checkpoint_img_size=img_size, dtype="float64", verbose=False)
     assert loaded.config == config
     same_params(loaded, model)
 
@@ -200,11 +200,24 @@ def test_a_minivit_checkpoint_is_a_starting_point_too(tmp_path):
     model = perturbed(config)
     checkpoint.save_checkpoint(tmp_path / "run.npz", model)
     assert convert.read_checkpoint_file(tmp_path / "run.npz")[0] == "minivit"
-    again = ViT.from_pretrained(tmp_path / "run.npz", dtype="float64")
+    again = convert.from_pretrained(tmp_path / "run.npz", dtype="float64")
     assert again.config == config
     same_params(again, model)
-    new = ViT.from_pretrained(tmp_path / "run.npz", num_classes=2, img_size=32, dtype="float64")
+    new = convert.from_pretrained(tmp_path / "run.npz", num_classes=2, img_size=32, dtype="float64")
     assert new.config.num_classes == 2 and new.config.grid_size == (8, 8)
+
+
+def test_a_minivit_checkpoint_of_a_variant_loads_and_refuses_a_resize_it_cannot_do(tmp_path):
+    """The shapes a checkpoint must have come from model.param_shapes, which knows every option."""
+    checkpoint = pytest.importorskip("minivit.checkpoint")
+    config = tiny(stem="conv", stem_width=4, pos_embed="learned2d")
+    model = perturbed(config)
+    checkpoint.save_checkpoint(tmp_path / "hybrid.npz", model)
+    again = convert.from_pretrained(tmp_path / "hybrid.npz", dtype="float64")
+    assert again.config == config
+    same_params(again, model)
+    with pytest.raises(ValueError, match="pos_embed='learned'.*pos_embed='learned2d'"):
+        convert.from_pretrained(tmp_path / "hybrid.npz", img_size=32, dtype="float64")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -214,7 +227,7 @@ def test_a_minivit_checkpoint_is_a_starting_point_too(tmp_path):
 
 def test_resize_is_the_identity_at_the_same_grid():
     pe = np.random.default_rng(0).standard_normal((1, 1 + 3 * 5, 8))
-    np.testing.assert_array_equal(convert.resize_pos_embed(pe, (3, 5), (3, 5)), pe)
+    np.testing.assert_array_equal(L.resize_pos_embed(pe, (3, 5), (3, 5)), pe)
     model = perturbed(tiny())
     same = model.resize_pos_embed(16)
     assert same is not model
@@ -237,7 +250,7 @@ def test_a_linear_ramp_over_the_grid_stays_that_ramp(old, new):
 
     cls = np.full((1, 1, D), 7.0)
     pe = np.concatenate([cls, ramp(*old)], axis=1)
-    out = convert.resize_pos_embed(pe, old, new)
+    out = L.resize_pos_embed(pe, old, new)
     assert out.shape == (1, 1 + new[0] * new[1], D)
     np.testing.assert_array_equal(out[:, :1], cls)                        # the class token's kept as is
     np.testing.assert_allclose(out[:, 1:], ramp(*new), rtol=0, atol=1e-12)
@@ -247,7 +260,7 @@ def test_resize_is_the_jax_releases_scipy_zoom_order_1():
     ndimage = pytest.importorskip("scipy.ndimage")
     gh, gw, D = 5, 7, 6
     pe = np.random.default_rng(3).standard_normal((1, gh * gw, D))       # a GAP model: no prefix token
-    out = convert.resize_pos_embed(pe, (gh, gw), (9, 4), num_prefix_tokens=0)
+    out = L.resize_pos_embed(pe, (gh, gw), (9, 4), num_prefix_tokens=0)
     ref = ndimage.zoom(pe[0].reshape(gh, gw, D), (9 / gh, 4 / gw, 1), order=1)   # as checkpoint.py does
     assert ref.shape == (9, 4, D)
     np.testing.assert_allclose(out[0].reshape(9, 4, D), ref, rtol=0, atol=1e-12)
@@ -304,7 +317,7 @@ def test_a_text_file_is_refused_saying_what_it_looks_like(tmp_path):
     path = tmp_path / "ViT-B_16.npz"
     path.write_text("<html><body>404 Not Found</body></html>\n")
     with pytest.raises(ValueError, match="not a checkpoint minivit can read.*looks like text"):
-        ViT.from_pretrained(path)
+        convert.from_pretrained(path)
 
 
 @pytest.mark.parametrize("content, match", [
@@ -332,7 +345,7 @@ def test_a_truncated_npz_is_refused(good_npz, tmp_path):
     data = path.read_bytes()
     cut.write_bytes(data[: len(data) // 2])
     with pytest.raises(ValueError, match="truncated"):
-        ViT.from_pretrained(cut)
+        convert.from_pretrained(cut)
 
 
 def test_a_truncated_safetensors_is_refused(tmp_path):
@@ -355,7 +368,7 @@ def test_an_npz_missing_keys_names_them(good_npz, tmp_path):
     with pytest.raises(ValueError, match=r"does not make a ViT.*missing "
                                          r"Transformer/encoderblock_1/MlpBlock_3/Dense_1/bias, "
                                          r"Transformer/encoder_norm/scale"):
-        ViT.from_pretrained(tmp_path / "holes.npz")
+        convert.from_pretrained(tmp_path / "holes.npz")
 
 
 def test_shapes_that_do_not_make_a_vit_are_named(good_npz, tmp_path):
@@ -387,8 +400,8 @@ def test_a_headless_checkpoint_needs_num_classes_and_gets_a_zero_head(good_npz, 
     arrays = {k: v for k, v in good_npz[1].items() if not k.startswith("head/")}
     np.savez(tmp_path / "features.npz", **arrays)
     with pytest.raises(ValueError, match="has no head.*pass num_classes"):
-        ViT.from_pretrained(tmp_path / "features.npz", verbose=False)
-    model = ViT.from_pretrained(tmp_path / "features.npz", num_classes=5, verbose=False)
+        convert.from_pretrained(tmp_path / "features.npz", verbose=False)
+    model = convert.from_pretrained(tmp_path / "features.npz", num_classes=5, verbose=False)
     assert model.params["head.weight"].shape == (24, 5) and float(abs(model.params["head.weight"]).max()) == 0
 
 
@@ -423,13 +436,13 @@ def test_a_new_num_classes_gives_a_zero_head_and_drops_pre_logits(tmp_path):
     model = perturbed(config)
     path = tmp_path / "ViT.npz"
     convert.to_google_npz(model.state_dict(), config, path)
-    kept = ViT.from_pretrained(path, dtype="float64", verbose=False)          # num_classes None: as it was
+    kept = convert.from_pretrained(path, dtype="float64", verbose=False)          # num_classes None: as it was
     assert kept.config.representation_size == 10
     x = images(config)
     np.testing.assert_array_equal(logits_of(kept, x), logits_of(model, x))
-    same = ViT.from_pretrained(path, num_classes=7, dtype="float64", verbose=False)   # the same K: kept too
+    same = convert.from_pretrained(path, num_classes=7, dtype="float64", verbose=False)   # the same K: kept too
     same_params(same, kept)
-    new = ViT.from_pretrained(path, num_classes=3, dtype="float64", verbose=False)
+    new = convert.from_pretrained(path, num_classes=3, dtype="float64", verbose=False)
     assert new.config.num_classes == 3 and new.config.representation_size is None
     assert "pre_logits.fc.weight" not in new.params and new.params["head.weight"].shape == (24, 3)
     assert float(abs(new.params["head.weight"]).max()) == 0 == float(abs(new.params["head.bias"]).max())
@@ -445,7 +458,7 @@ def test_fine_tuning_a_few_sgd_steps_at_a_higher_resolution_lowers_the_loss(tmp_
     config = tiny(gelu="tanh")
     path = tmp_path / "pretrained.npz"
     convert.to_google_npz(perturbed(config).state_dict(), config, path)
-    model = ViT.from_pretrained(path, num_classes=3, img_size=24, dtype="float64", verbose=False)
+    model = convert.from_pretrained(path, num_classes=3, img_size=24, dtype="float64", verbose=False)
     assert model.config.img_size == (24, 24) and model.params["pos_embed"].shape == (1, 37, 24)
     rng = np.random.default_rng(0)
     x = minivit.asarray(rng.standard_normal((12, 24, 24, 3)))
@@ -512,13 +525,13 @@ def test_a_google_npz_written_from_timm_loads_to_timms_logits(timm_vit, tmp_path
     timm_vit._load_weights(oracle, str(path))
     assert_same_timm_weights(oracle, ref)
 
-    model = ViT.from_pretrained(path, gelu=gelu, dtype="float64", verbose=False)
+    model = convert.from_pretrained(path, gelu=gelu, dtype="float64", verbose=False)
     assert model.config == config
     x = images(config)
     expected = timm_logits(ref, x)
     assert rel(logits_of(model, x), expected) < 1e-9
     if gelu == "erf":   # the JAX default (tanh) on an erf-trained model: close, but measurably not equal
-        default = ViT.from_pretrained(path, dtype="float64", verbose=False)
+        default = convert.from_pretrained(path, dtype="float64", verbose=False)
         assert default.config.gelu == "tanh" and 1e-7 < rel(logits_of(default, x), expected) < 1e-2
 
 
@@ -544,7 +557,7 @@ def test_the_representation_layer_against_timms_features(timm_vit, tmp_path):
     t = {k: torch.from_numpy(v) for k, v in state.items() if k.startswith(("pre_logits", "head"))}
     expected = (torch.tanh(y @ t["pre_logits.fc.weight"] + t["pre_logits.fc.bias"]) @ t["head.weight"]
                 + t["head.bias"]).numpy()
-    model = ViT.from_pretrained(path, dtype="float64", verbose=False)
+    model = convert.from_pretrained(path, dtype="float64", verbose=False)
     assert model.config.representation_size == 10
     assert rel(logits_of(model, x), expected) < 1e-9
 
@@ -562,13 +575,13 @@ def test_timm_safetensors_pth_and_bin_load_to_timms_logits(timm_vit, tmp_path):
     x = images(config)
     expected = timm_logits(ref, x)
     for name in ("model.safetensors", "model.pth", "pytorch_model.bin"):
-        model = ViT.from_pretrained(tmp_path / name, num_heads=4, dtype="float64", verbose=False)
+        model = convert.from_pretrained(tmp_path / name, num_heads=4, dtype="float64", verbose=False)
         assert model.config == config, name
         assert rel(logits_of(model, x), expected) < 1e-9, name
     data = (tmp_path / "model.pth").read_bytes()
     (tmp_path / "cut.pth").write_bytes(data[: len(data) // 2])
     with pytest.raises(ValueError, match="truncated"):
-        ViT.from_pretrained(tmp_path / "cut.pth", num_heads=4)
+        convert.from_pretrained(tmp_path / "cut.pth", num_heads=4)
 
 
 @pytest.mark.parity
@@ -576,7 +589,7 @@ def test_resize_equals_torch_bilinear_with_aligned_corners(timm_vit):
     import torch
     from timm.layers import resample_abs_pos_embed
     pe = np.random.default_rng(4).standard_normal((1, 1 + 4 * 6, 8)).astype(np.float32)
-    ours = convert.resize_pos_embed(pe, (4, 6), (7, 9))
+    ours = L.resize_pos_embed(pe, (4, 6), (7, 9))
     theirs = resample_abs_pos_embed(torch.from_numpy(pe), new_size=(7, 9), old_size=(4, 6), num_prefix_tokens=1,
                                     interpolation="bilinear", antialias=False, align_corners=True).numpy()
     np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-6)    # torch interpolates in float32

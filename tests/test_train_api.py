@@ -85,7 +85,7 @@ def test_a_given_data_set_is_trained_on_as_it_is():
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the overflow that makes the loss NaN
 def test_a_given_resnet_trains_and_a_divergence_says_at_which_step():
-    from minivit.conv import ResNet, ResNetConfig
+    from minivit.resnet import ResNet, ResNetConfig
 
     data = tiny_data()
     resnet = ResNet(ResNetConfig(img_size=32, widths=(4, 8), depths=(1, 1)))

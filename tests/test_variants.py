@@ -15,6 +15,7 @@ import minivit
 from minivit import conv as Cv
 from minivit import layers as L
 from minivit.model import ViT, ViTConfig
+from minivit.resnet import ResNet, ResNetConfig
 
 GC = dict(seed=3)  # gradcheck's upstream gradient comes from seed 3, never the input's stream
 
@@ -152,8 +153,8 @@ def test_basic_block_gradcheck(arr, c_in, c_out, stride):
 
 
 def test_resnet_gradcheck_whole_model(arr):
-    cfg = Cv.ResNetConfig(img_size=8, in_chans=3, num_classes=3, widths=(4, 8), depths=(1, 1))
-    model = Cv.ResNet(cfg, dtype="float64")
+    cfg = ResNetConfig(img_size=8, in_chans=3, num_classes=3, widths=(4, 8), depths=(1, 1))
+    model = ResNet(cfg, dtype="float64")
     report = minivit.gradcheck(model, arr(2, 8, 8, 3), max_checks=20, **GC)
     report.assert_ok()
     assert len(report.rows) == 1 + len(model.params)
@@ -161,18 +162,18 @@ def test_resnet_gradcheck_whole_model(arr):
 
 @pytest.mark.parametrize("widths,depths", [((16, 32, 64), (1, 1, 1)), ((8, 16), (2, 3)), ((12,), (2,))])
 def test_resnet_num_params_is_exact(widths, depths):
-    cfg = Cv.ResNetConfig(in_chans=1, num_classes=7, widths=widths, depths=depths)
-    assert Cv.ResNet(cfg).num_params() == cfg.num_params()
+    cfg = ResNetConfig(in_chans=1, num_classes=7, widths=widths, depths=depths)
+    assert ResNet(cfg).num_params() == cfg.num_params()
 
 
 def test_resnet_names_shapes_and_state_dict_round_trip(rng):
-    cfg = Cv.ResNetConfig(img_size=8, widths=(4, 8), depths=(1, 1), num_classes=3)
-    model = Cv.ResNet(cfg, seed=1, dtype="float64")
+    cfg = ResNetConfig(img_size=8, widths=(4, 8), depths=(1, 1), num_classes=3)
+    model = ResNet(cfg, seed=1, dtype="float64")
     assert model.params["stem.conv.weight"].shape == (3, 3, 3, 4)                  # (kh, kw, C, Co)
     assert model.params["stages.1.0.shortcut.conv.weight"].shape == (1, 1, 4, 8)
     assert "stages.0.0.shortcut.conv.weight" not in model.params                  # same shape: identity
     x = minivit.asarray(rng.standard_normal((2, 8, 8, 3)))
-    other = Cv.ResNet(cfg, seed=2, dtype="float64").load_state_dict(model.state_dict())
+    other = ResNet(cfg, seed=2, dtype="float64").load_state_dict(model.state_dict())
     np.testing.assert_array_equal(to_np(other.forward(x)), to_np(model.forward(x)))
     with pytest.raises(ValueError, match="missing keys"):
         other.load_state_dict({k: v for k, v in model.state_dict().items() if k != "head.bias"})
@@ -181,7 +182,7 @@ def test_resnet_names_shapes_and_state_dict_round_trip(rng):
 def test_resnet_training_lowers_the_loss(rng):
     from minivit.optim import AdamW
 
-    model = Cv.ResNet(Cv.ResNetConfig(img_size=8, widths=(8, 16), depths=(1, 1), num_classes=4), seed=0)
+    model = ResNet(ResNetConfig(img_size=8, widths=(8, 16), depths=(1, 1), num_classes=4), seed=0)
     x = minivit.asarray(rng.standard_normal((16, 8, 8, 3)), dtype="float32")
     y = minivit.asarray(rng.integers(0, 4, 16))
     opt = AdamW(model, 1e-2, weight_decay=0.0)
@@ -197,7 +198,7 @@ def test_resnet_training_lowers_the_loss(rng):
 
 
 def test_resnet_checks_its_input():
-    model = Cv.ResNet(Cv.ResNetConfig(img_size=8, widths=(4,), depths=(1,)))
+    model = ResNet(ResNetConfig(img_size=8, widths=(4,), depths=(1,)))
     with pytest.raises(ValueError, match=r"\(B, H, W, 3\)"):
         model.forward(minivit.asarray(np.zeros((2, 3, 8, 8), "float32")))
     with pytest.raises(TypeError, match="float64 but the model is float32"):
@@ -273,14 +274,6 @@ def test_whole_vit_gradcheck_with_each_option(arr, options):
     assert {r[0] for r in report.rows} == {"input"} | set(model.params)
 
 
-@pytest.mark.parametrize("pos,stem,pool,R", list(itertools.product(("learned", "learned2d", "sincos2d", "none"),
-                                                                   ("patch", "conv"), ("cls", "gap"), (None, 6))))
-def test_num_params_is_exact_for_every_option(pos, stem, pool, R):
-    cfg = ViTConfig(img_size=(16, 8), patch_size=4, in_chans=2, num_classes=5, embed_dim=12, depth=2, num_heads=3,
-                    pos_embed=pos, stem=stem, pool=pool, representation_size=R, stem_width=8)
-    assert cfg.num_params() == ViT(cfg).num_params()
-
-
 def test_parameter_names_of_the_options():
     names = lambda **kw: set(ViT(small_vit(**kw)).params)   # noqa: E731
     default = names()
@@ -345,9 +338,9 @@ def test_bad_layer_arguments_name_the_value(arr):
     with pytest.raises(ValueError, match="got 'relative'"):
         L.GridPosEmbed((2, 2), 8, "relative")
     with pytest.raises(ValueError, match=r"widths \(4, 8\) and depths \(1,\)"):
-        Cv.ResNetConfig(widths=(4, 8), depths=(1,))
+        ResNetConfig(widths=(4, 8), depths=(1,))
     with pytest.raises(ValueError, match="widths must be a non-empty tuple of positive ints, got \\(\\)"):
-        Cv.ResNetConfig(widths=(), depths=())
+        ResNetConfig(widths=(), depths=())
     with pytest.raises(ValueError, match="pos_embed='sincos2d'"):
         ViT(small_vit(pos_embed="sincos2d")).resize_pos_embed(16)
 
@@ -367,7 +360,8 @@ def test_train_cli_builds_the_options():
 
 def test_forward_flops_count_every_matmul_and_convolution(monkeypatch, rng):
     """Count 2 * rows * in * out of every linear and im2col product actually run (plus the two attention
-    products, 2 * 2 * T^2 * D per block), and compare with the formula in experiments/common.py."""
+    products, 2 * 2 * T^2 * D per block), and compare with minivit.flops and ResNetConfig.flops (which
+    experiments/common.py and benchmarks/bench.py use)."""
     from experiments import common
     from minivit import functional as F
     from minivit import ops
@@ -390,14 +384,14 @@ def test_forward_flops_count_every_matmul_and_convolution(monkeypatch, rng):
     monkeypatch.setattr(Cv, "conv2d_forward", conv)
     monkeypatch.setattr(ops, "fast_kernels_enabled", lambda: False)   # every product through functional.py
     x = minivit.asarray(rng.standard_normal((1, 16, 16, 3)), dtype="float32")
-    resnet = Cv.ResNet(Cv.ResNetConfig(img_size=16, widths=(4, 8), depths=(2, 1), num_classes=5))
+    resnet = ResNet(ResNetConfig(img_size=16, widths=(4, 8), depths=(2, 1), num_classes=5))
     counted.clear(); resnet.forward(x)                                                   # noqa: E702
-    assert sum(counted) == common.forward_flops(resnet)
-    for kw in (dict(), dict(stem="conv", stem_width=4)):
+    assert sum(counted) == resnet.config.flops() == common.forward_flops(resnet)
+    for kw in (dict(), dict(stem="conv", stem_width=4), dict(pool="gap", representation_size=6)):
         vit = ViT(ViTConfig(img_size=16, patch_size=4, num_classes=5, embed_dim=8, depth=2, num_heads=2, **kw))
         counted.clear(); vit.forward(x)                                                  # noqa: E702
         T, D = vit.config.seq_len, vit.config.embed_dim
-        assert sum(counted) + vit.config.depth * 4 * T * T * D == common.forward_flops(vit)
+        assert sum(counted) + vit.config.depth * 4 * T * T * D == minivit.flops(vit.config) == common.forward_flops(vit)
 
 
 def test_experiment_full_mode_says_it_needs_a_gpu(tmp_path):

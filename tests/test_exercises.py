@@ -1,0 +1,156 @@
+"""The exercises (notebooks/exercises/): every check cell says WRONG with the stub and RIGHT with the solution.
+
+Each exercise notebook is run twice in this process, its code cells exec'd in order in a fresh namespace
+(fast: no kernel to start): as committed, where every check cell's `report` must fail, and with each
+exercise cell's functions replaced by their solutions from notebooks/exercises/solutions/<notebook>.py,
+where every one must pass. Neither run may leave minivit changed (the check cells restore what they
+replace). The committed notebooks must read like the lessons, and the solutions must not be in them.
+"""
+
+import ast
+import json
+from pathlib import Path
+
+import pytest
+
+from minivit import check, kernels
+from minivit import functional as F
+from minivit import layers as L
+from minivit import optim
+
+ROOT = Path(__file__).resolve().parents[1]
+EXERCISES = ROOT / "notebooks" / "exercises"
+NOTEBOOKS = sorted(p.name for p in EXERCISES.glob("[0-9][0-9]_*.ipynb"))
+STUB_MARK = "# your code here"
+
+
+def _read(name):
+    with open(EXERCISES / name, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _source(cell):
+    return "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
+
+
+def _tags(cell):
+    return cell.get("metadata", {}).get("tags", [])
+
+
+def _functions(source):
+    """{name: source} of the top-level functions defined in source."""
+    tree = ast.parse(source)
+    return {node.name: ast.get_source_segment(source, node) for node in tree.body if isinstance(node, ast.FunctionDef)}
+
+
+def _solutions(name):
+    return _functions((EXERCISES / "solutions" / (Path(name).stem + ".py")).read_text(encoding="utf-8"))
+
+
+def _state():
+    """What a notebook must leave as it found it: every attribute of the modules and layer classes it may replace."""
+    owners = [F, L, kernels, check, optim] + [c for c in vars(L).values() if isinstance(c, type)]
+    return {id(o): dict(vars(o)) for o in owners}
+
+
+def _run(name, solved, monkeypatch):
+    """Exec the notebook's code cells in order; return [(cell index, report)] for its check cells."""
+    import matplotlib
+    import matplotlib.pyplot as plt
+
+    matplotlib.use("Agg")
+    monkeypatch.setenv("MINIVIT_QUICK", "1")
+    monkeypatch.chdir(EXERCISES)
+    solutions = _solutions(name) if solved else {}
+    namespace, reports = {"__name__": "__main__"}, []
+    for i, cell in enumerate(_read(name)["cells"]):
+        if cell["cell_type"] != "code":
+            continue
+        source = _source(cell)
+        if solved and "exercise" in _tags(cell):
+            source = "\n\n".join(solutions[fn] for fn in _functions(source))
+        if "check" in _tags(cell):
+            namespace.pop("report", None)                     # each check cell must make its own
+        exec(compile(source, f"{name}, cell {i}", "exec"), namespace)
+        if "check" in _tags(cell):
+            reports.append((i, namespace["report"]))
+    plt.close("all")
+    return reports
+
+
+def test_there_are_exercises_for_every_backward_the_issue_asks_for():
+    written = {fn for name in NOTEBOOKS for fn in _solutions(name)}
+    assert {"patch2im", "linear_backward", "layernorm_backward", "gelu_backward", "softmax_backward",
+            "attention_backward", "block_backward", "cross_entropy_backward", "adamw_update"} <= written, written
+
+
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_each_exercise_cell_is_a_stub_with_a_solution_and_a_check_after_it(name):
+    cells = [c for c in _read(name)["cells"] if c["cell_type"] == "code"]
+    solutions = _solutions(name)
+    exercises = [i for i, c in enumerate(cells) if "exercise" in _tags(c)]
+    assert exercises, f"{name} has no cell tagged 'exercise'"
+    for i in exercises:
+        source = _source(cells[i])
+        assert STUB_MARK in source, f"{name}: exercise cell {i} has no '{STUB_MARK}' stub"
+        assert _functions(source) and set(_functions(source)) <= set(solutions), \
+            f"{name}: cell {i} defines {list(_functions(source))}, the solutions file {list(solutions)}"
+        assert "check" in _tags(cells[i + 1]), f"{name}: the cell after exercise cell {i} must check it"
+
+
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_the_solutions_are_not_in_the_notebook(name):
+    code = [c for c in _read(name)["cells"] if c["cell_type"] == "code"]
+    cells = [_source(c) for c in code]
+    stubs = "\n".join(_source(c) for c in code if "exercise" in _tags(c))
+    for fn, source in _solutions(name).items():
+        for line in source.splitlines()[1:]:
+            line = line.split("#")[0].strip()
+            if len(line) > 12 and line not in stubs and not line.startswith(('"""', "return np.zeros")):
+                assert not any(line in cell for cell in cells), f"{name}: the solution line {line!r} is in the notebook"
+
+
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_with_the_stubs_every_check_says_wrong(name, monkeypatch):
+    before = _state()
+    reports = _run(name, solved=False, monkeypatch=monkeypatch)
+    assert reports, f"{name} has no check cell"
+    for i, report in reports:
+        assert not report.ok, f"{name}, cell {i}: the stub passes its check:\n{report}"
+        assert report.verdict().startswith("WRONG")
+    assert _state() == before, f"{name} left minivit changed (a replaced function not restored)"
+
+
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_with_the_solutions_every_check_says_right(name, monkeypatch):
+    before = _state()
+    for i, report in _run(name, solved=True, monkeypatch=monkeypatch):
+        assert report.ok, f"{name}, cell {i}: the solution fails its check:\n{report.table(verbose=True)}"
+        assert report.verdict().startswith("RIGHT")
+    assert _state() == before, f"{name} left minivit changed (a replaced function not restored)"
+
+
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_committed_exercise_reads_like_a_lesson(name):
+    nb = _read(name)
+    assert (EXERCISES / name).stat().st_size < 500_000, f"{name}: keep committed notebooks under 500 KB"
+    cells = nb["cells"]
+    assert cells[0]["cell_type"] == "markdown" and "What you will learn" in _source(cells[0])
+    assert "What to try next" in _source(cells[-1])
+    code = [c for c in cells if c["cell_type"] == "code"]
+    assert 'os.environ.get("MINIVIT_QUICK") == "1"' in _source(code[0])
+    counts = [c.get("execution_count") for c in code]
+    assert counts == list(range(1, len(code) + 1)), f"{name}: commit the outputs of one run, top to bottom ({counts})"
+    assert not any(o["output_type"] == "error" for c in code for o in c["outputs"]), f"{name} shows an error"
+    assert any("image/png" in o.get("data", {}) for c in code for o in c["outputs"]), f"{name} has no figure"
+    checks = [c for c in code if "check" in _tags(c)]
+    shown = ["".join(o.get("text", "")) for c in checks for o in c["outputs"] if o["output_type"] == "stream"]
+    assert all(text.startswith("WRONG") for text in shown) and len(shown) == len(checks), \
+        f"{name}: the committed outputs must be the stubs' (WRONG), what a student sees first"
+
+
+def test_the_index_explains_the_exercises():
+    index = (ROOT / "notebooks" / "README.md").read_text(encoding="utf-8")
+    assert "exercises/" in index and "solutions/" in index
+    for name in NOTEBOOKS:
+        assert name in index, f"notebooks/README.md does not list exercises/{name}"
