@@ -239,7 +239,7 @@ def main():
         json.dump({"model": args.model, "config": config.to_dict(), "batch": args.batch, "steps": args.steps,
                    "warmup": args.warmup, "cpu_count": os.cpu_count(), "command": " ".join(sys.argv),
                    "results": results, "summary": summary}, f, indent=2)
-    print(f"\n| configuration | images/s |\n|---|---|")
+    print("\n| configuration | images/s |\n|---|---|")
     for r in results:
         print(f"| {r['library']} {r['ranks']} rank(s) x {r['threads']} thread(s) | {r['images_per_s']:.1f} |")
     print(f"\nscaling efficiency 2x1 vs 1x1: minivit {summary['minivit_scaling_efficiency']:.2f}, "

@@ -391,9 +391,9 @@ def batch_for_step(step, cfg, data_x, data_y, steps_per_epoch, mean, std, dtype,
     order = backend.host_rng([cfg.seed, epoch]).permutation(data_x.shape[0])       # (N,)
     idx = order[i * cfg.batch_size:(i + 1) * cfg.batch_size]                        # (B,)
     seed = [cfg.seed, 1_000_003, step]
-    if world is not None:                                                           # (b,) this rank's rows
-        idx, seed = idx[distributed.local_slice(cfg.batch_size, world.rank, world.world_size)], \
-            distributed.rank_seed(seed, world.rank)
+    if world is not None:                         # several ranks: this rank's rows, its own stream
+        idx = idx[distributed.local_slice(cfg.batch_size, world.rank, world.world_size)]   # (b,)
+        seed = distributed.rank_seed(seed, world.rank)
     idx_dev = backend.asarray(idx, backend=backend.backend_of(data_x))
     rng = backend.host_rng(seed)
     x = A.augment_batch(data_x[idx_dev], rng, cfg.augment, mean, std, dtype)       # (B, H, W, C)
@@ -525,7 +525,10 @@ def train_step(model, optimizer, x, y, cfg, scaler=None, dp=None):
         if not finite:                               # float16 overflowed: skip the update, S was halved
             return loss, correct, float("inf")
     grad_norm = float(read[-1]) if cfg.clip_grad else None
-    optimizer.step() if dp is None else dp.step()
+    if dp is None:
+        optimizer.step()
+    else:
+        dp.step()                                    # ZeRO-1: this rank's shard, then an all-gather of all
     return loss, correct, grad_norm
 
 

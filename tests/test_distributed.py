@@ -16,6 +16,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -225,6 +226,7 @@ RUNS = {   # name: the changes to TRAIN; each runs on 2 ranks, and (but "half") 
     "half": dict(max_steps=2),                      # 2 ranks, resumed below by one process to step 4 (= "adamw")
     "resumed": dict(resume=True),                   # one process's 2 steps, resumed here by 2 ranks to step 4
     "dropout_augment": dict(drop_rate=0.1, augment="standard"),
+    "amp": dict(precision="float16", dtype="float32"),   # float16 products: the loss scaler's global decision
 }
 
 
@@ -438,7 +440,7 @@ def trainer_runs(tmp_path_factory):
     run = mpiexec(2, ["tests/test_distributed.py", "trainer", str(out)], timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
     had_mpi4py = "mpi4py" in sys.modules
-    one = {name: train_run(name, ref) for name in ("adamw", "sgd_accum_clip", "adamw_accum_clip_zero")}
+    one = {name: train_run(name, ref) for name in ("adamw", "sgd_accum_clip", "adamw_accum_clip_zero", "amp")}
     half = train_run("half", str(out), resume=True, max_steps=4)      # 2 ranks' 2 steps, then 1 process's 2
     assert had_mpi4py or "mpi4py" not in sys.modules, "one process imported mpi4py"
     return out, ref, one, half
@@ -478,6 +480,23 @@ def test_trainer_on_two_ranks_equals_one_process(trainer_runs, name):
             assert abs(mine[key] - theirs[key]) <= 1e-10 * max(1.0, abs(theirs[key])), key
     summary = json.load(open(out / "runs" / name / "summary.json"))
     assert summary["world_size"] == 2 and one[name].summary["world_size"] == 1
+
+
+@needs_mpi
+def test_trainer_mixed_precision_on_two_ranks_follows_one_process(trainer_runs):
+    """Mixed precision through the trainer: float32 master weights, float16 products (which round a slice
+    as they round the whole batch only up to float16's precision), the same loss-scale decisions. (An
+    overflow on one rank alone skipping the step on all is tested above, in the collectives.)"""
+    out, _, one, _ = trainer_runs
+    summary = json.load(open(out / "runs" / "amp" / "summary.json"))
+    assert summary["skipped_steps"] == one["amp"].summary["skipped_steps"]
+    assert summary["loss_scale"] == one["amp"].summary["loss_scale"]
+    lines = [json.loads(line) for line in open(out / "runs" / "amp" / "metrics.jsonl")]
+    for mine, theirs in zip(lines, one["amp"].history, strict=True):
+        for key in ("train_loss", "val_loss"):
+            assert abs(mine[key] - theirs[key]) < 1e-3 * abs(theirs[key]), key
+    # AdamW's steps of about lr = 3e-3 each, from gradients that agree to float16's rounding
+    assert max_rel(dict(np.load(out / "results" / "amp.rank0.npz")), params_of(one["amp"])) < 1e-2
 
 
 @needs_mpi
@@ -551,9 +570,9 @@ def test_command_line_on_two_ranks_stops_once_on_sigterm(tmp_path):
 
 
 @pytest.mark.gpu
-def test_nccl_with_one_rank_equals_one_process():
-    """NCCLComm on this process alone (NCCL refuses two ranks on one GPU): its collectives, and ZeRO-1
-    through NCCL after 3 steps, equal to one process. Run by scripts/gpu_check.sh."""
+def test_nccl_with_one_rank_equals_one_process(monkeypatch):
+    """NCCLComm on this process alone (NCCL refuses two ranks on one GPU): its collectives, ZeRO-1 through
+    NCCL after 3 steps, and the trainer with it, equal to one process. Run by scripts/gpu_check.sh."""
     pytest.importorskip("mpi4py", reason=f"needs mpi4py: {dist.INSTALL}")
     minivit.set_backend("cupy")
     import cupy
@@ -572,6 +591,12 @@ def test_nccl_with_one_rank_equals_one_process():
         got, got_state, _ = hand_loop(comm, "adamw", 2, 0.05, zero)
         assert max_rel(got, params) < 1e-10
         assert max_rel(flat_state(got_state), flat_state(state)) < 1e-10
+    # and the trainer on the GPU, its gradients exchanged through NCCL (ZeRO-1), against the trainer alone
+    out = tempfile.mkdtemp()
+    alone = train_run("adamw_accum_clip_zero", os.path.join(out, "alone"), backend="cupy")
+    monkeypatch.setattr(dist, "_world", comm)          # what init() returns under a launcher
+    ranked = train_run("adamw_accum_clip_zero", os.path.join(out, "nccl"), backend="cupy")
+    assert ranked.summary["world_size"] == 1 and max_rel(params_of(ranked), params_of(alone)) < 1e-10
 
 
 if __name__ == "__main__":
