@@ -310,6 +310,7 @@ def init(backend_name=None, timeout=None):
 
 
 def _abort_on_uncaught(kind, value, traceback):
+    """sys.excepthook with several ranks: print the traceback as usual, then end every rank."""
     sys.__excepthook__(kind, value, traceback)
     _world.abort(1)
 
