@@ -31,7 +31,7 @@ __all__ = ["asarray", "backend_module", "get_array_module", "get_backend", "gpu_
 
 # Imported on first use: minivit.train (tqdm), .download (tqdm), .data, .viz and .plot (matplotlib inside),
 # .predict (Pillow inside), .augment, .resnet.
-_LAZY = ("augment", "data", "distributed", "download", "plot", "predict", "resnet", "train", "viz")
+_LAZY = ("augment", "check", "data", "distributed", "download", "plot", "predict", "resnet", "train", "viz")
 
 
 def __getattr__(name):
