@@ -26,7 +26,7 @@ test: $(VENV)/.installed
 $(PARITY_VENV)/.installed: requirements.txt pyproject.toml
 	$(PYTHON) -m venv $(PARITY_VENV)
 	$(PARITY_PY) -m pip install -q torch==2.14.1 torchvision==0.29.1 timm open_clip_torch==3.3.0
-	$(PARITY_PY) -m pip install -q numpy scipy numba threadpoolctl pillow tqdm matplotlib safetensors pytest
+	$(PARITY_PY) -m pip install -q numpy scipy numba threadpoolctl pillow tqdm matplotlib safetensors pytest mpi4py mpich
 	$(PARITY_PY) -m pip install -q --no-deps -e .
 	touch $@
 

@@ -31,7 +31,8 @@ __all__ = ["asarray", "backend_module", "get_array_module", "get_backend", "gpu_
 
 # Imported on first use: minivit.train (tqdm), .download (tqdm), .data, .viz and .plot (matplotlib inside),
 # .predict (Pillow inside), .augment, .resnet, .clip and .captions (CLIP).
-_LAZY = ("augment", "captions", "check", "clip", "clip_train", "data", "download", "plot", "predict", "resnet", "train", "viz")
+_LAZY = ("augment", "captions", "check", "clip", "clip_train", "data", "distributed", "download", "plot", "predict",
+         "resnet", "train", "viz")
 
 
 def __getattr__(name):

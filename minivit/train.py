@@ -46,7 +46,7 @@ import numpy
 from tqdm import tqdm
 
 from . import augment as A
-from . import backend, ops
+from . import backend, distributed, ops
 from .amp import LossScaler
 from .checkpoint import (check_finite, load_checkpoint, remove_stale_temporaries, restore_dropout_rngs,
                          save_checkpoint, write_atomic)
@@ -166,6 +166,8 @@ class TrainConfig:
     cutmix: float = option(0.0, "cutmix alpha (0: off); with both on, each step picks one")
     random_erasing: float = option(0.0, "the probability of erasing a patch of each image")
     seed: int = option(0, "the seed of the model's initialisation, the batches and the augmentation")
+    zero: bool = option(False, "with several ranks (mpiexec): shard the optimizer state across them (ZeRO-1, "
+                               "minivit/distributed.py); no effect in one process")
     # where it runs, what it writes
     backend: str = option(None, "where to compute (default: the current backend)", backend.BACKENDS)
     dtype: str = option("float32", "the parameters' dtype", DTYPES)
@@ -196,7 +198,7 @@ class TrainConfig:
 # length and evaluation cadence change when asked for (said in one line); any other setting that differs
 # is refused by name.
 RESUME_RUNTIME = ("out", "resume", "overwrite", "progress", "verbose", "backend", "eval_batch_size", "download",
-                  "fallback")
+                  "fallback", "zero")
 RESUME_APPLIED = ("epochs", "max_steps", "eval_every", "num_evals")
 RUN_FILES = ("checkpoint.npz", "metrics.jsonl", "summary.json", "curves.png")
 MODEL_FIELDS = ("img_size", "patch_size", "embed_dim", "depth", "num_heads", "mlp_ratio", "pool", "drop_rate",
@@ -404,15 +406,21 @@ def build_optimizer(cfg, model):
     return SGD(model, cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, no_decay=no_decay)
 
 
-def batch_for_step(step, cfg, data_x, data_y, steps_per_epoch, mean, std, dtype, num_classes):
+def batch_for_step(step, cfg, data_x, data_y, steps_per_epoch, mean, std, dtype, num_classes, world=None):
     """The augmented batch of optimizer step `step`: a function of (seed, step) only (see the module doc).
-    data_x: uint8 (N, H, W, C) on the backend; data_y: int64 (N,) on the backend.
+    data_x: uint8 (N, H, W, C) on the backend; data_y: int64 (N,) on the backend. world: the communicator
+    of several ranks (minivit/distributed.py), or None: rank r takes rows [r b, (r + 1) b) of the global
+    batch, b = B / R, and augments them from its own stream of (seed, step, r).
     Returns x float (B, H, W, C) and targets: labels (B,) or soft targets (B, K) with mixup/cutmix."""
     epoch, i = divmod(step, steps_per_epoch)
     order = backend.host_rng([cfg.seed, epoch]).permutation(data_x.shape[0])       # (N,)
     idx = order[i * cfg.batch_size:(i + 1) * cfg.batch_size]                        # (B,)
+    seed = [cfg.seed, 1_000_003, step]
+    if world is not None:                         # several ranks: this rank's rows, its own stream
+        idx = idx[distributed.local_slice(cfg.batch_size, world.rank, world.world_size)]   # (b,)
+        seed = distributed.rank_seed(seed, world.rank)
     idx_dev = backend.asarray(idx, backend=backend.backend_of(data_x))
-    rng = backend.host_rng([cfg.seed, 1_000_003, step])
+    rng = backend.host_rng(seed)
     x = A.augment_batch(data_x[idx_dev], rng, cfg.augment, mean, std, dtype)       # (B, H, W, C)
     y = data_y[idx_dev]                                                             # (B,)
     if cfg.random_erasing:
@@ -472,7 +480,7 @@ class _StopFlag:
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
     def __init__(self):
-        self.signum, self._old = None, {}
+        self.signum, self.received, self._old = None, False, {}
 
     @property
     def stop(self):
@@ -487,22 +495,28 @@ class _StopFlag:
         return self
 
     def _handle(self, signum, frame):
-        if self.stop:
+        if self.received:
             raise KeyboardInterrupt
-        self.signum = signum
+        self.signum, self.received = signum, True
+
+    def agree(self, world):
+        """Several ranks: all stop after this step when any of them was told to (the launcher forwards a
+        signal to each, not at the same instant). A rank's own signal arriving after that is not a second one."""
+        self.signum = world.max(self.signum or 0, what="the stop signal") or None
 
     def __exit__(self, *exc):
         for signum, old in self._old.items():
             signal.signal(signum, old)
 
 
-def train_step(model, optimizer, x, y, cfg, scaler=None):
+def train_step(model, optimizer, x, y, cfg, scaler=None, dp=None):
     """One optimizer step on batch (x, y), in cfg.grad_accum micro-batches. Returns (loss, correct, grad_norm).
     scaler: an amp.LossScaler (mixed precision): the backward gets the scaled loss gradient, and a step whose
     gradients overflowed is skipped (grad_norm is then inf). y's labels were checked once, for the whole data
     set (check_labels); the loss, the count of correct answers, the scaler's finiteness and the gradient
     norm stay where the arrays are until the end of the step, then come to the host in ONE transfer: on the
-    GPU the only time a step waits for the device."""
+    GPU the only time a step waits for the device. dp: a distributed.DataParallel when several ranks train
+    (x, y: this rank's slice): the gradients are averaged over the ranks before anything looks at them."""
     model.zero_grad()
     micro = x.shape[0] // cfg.grad_accum
     xp = backend.get_array_module(x)
@@ -519,13 +533,17 @@ def train_step(model, optimizer, x, y, cfg, scaler=None):
             total_loss = total_loss + loss / cfg.grad_accum
             labels = yb if yb.ndim == 1 else yb.argmax(-1)
             correct = correct + (logits.argmax(-1) == labels).sum()
+    if dp is not None:
+        dp.average_gradients()                       # g <- 1/R sum_r g_r: the whole global batch's gradient
     step_numbers = [total_loss, correct]
-    if scaler is not None:
-        step_numbers.append(scaler.unscale(model))   # gradients / S, before clipping looks at them
+    if scaler is not None:                           # gradients / S, before clipping looks at them
+        step_numbers.append(scaler.unscale(model) if dp is None else dp.unscale(scaler))
     if cfg.clip_grad:
-        step_numbers.append(clip_grad_norm(model, cfg.clip_grad))
+        step_numbers.append(clip_grad_norm(model, cfg.clip_grad) if dp is None else dp.clip_grad_norm(cfg.clip_grad))
     read = backend.to_numpy(xp.stack([xp.asarray(v, dtype="float64") for v in step_numbers]))  # the one read
     loss, correct = float(read[0]), int(read[1])
+    if dp is not None:                               # the global batch's loss and count, the same on every rank
+        loss, correct = dp.batch_metrics(loss, correct)
     if not math.isfinite(loss):
         return loss, 0, float("nan")
     if scaler is not None:
@@ -534,7 +552,10 @@ def train_step(model, optimizer, x, y, cfg, scaler=None):
         if not finite:                               # float16 overflowed: skip the update, S was halved
             return loss, correct, float("inf")
     grad_norm = float(read[-1]) if cfg.clip_grad else None
-    optimizer.step()
+    if dp is None:
+        optimizer.step()
+    else:
+        dp.step()                                    # ZeRO-1: this rank's shard, then an all-gather of all
     return loss, correct, grad_norm
 
 
@@ -779,6 +800,8 @@ class Run:
     total_steps: int
     eval_steps: set             # evaluate, record and save after these steps (and at a Ctrl-C or SIGTERM)
     given_model: bool = False   # a model passed to train(), not built from cfg
+    world: object = None        # several ranks (mpiexec): their communicator (minivit/distributed.py), else None
+    dp: object = None           # and the DataParallel that exchanges each step's gradients
     task: object = None         # --task clip: a clip_train.CLIPTask (batches, step, evaluation); None: classify
     x_train: object = None      # uint8 (N, H, W, C) on the backend
     y_train: object = None      # int64 (N,)
@@ -794,6 +817,11 @@ class Run:
     seen_loss: float = 0.0      # the training loss, summed over the images seen since the last evaluation
     seen_correct: int = 0
     seen_images: int = 0
+
+    @property
+    def writes(self):
+        """One process, or rank 0 of several: the one that writes the run's files."""
+        return self.world is None or self.world.rank == 0
 
     @property
     def ckpt_path(self):
@@ -837,6 +865,14 @@ def set_up(cfg, model=None, data=None):
     cfg, data = load_run_data(cfg, data)
     if cfg.backend:
         backend.set_backend(cfg.backend)
+    world = distributed.init()                      # None for one process (no mpiexec): nothing below changes
+    if world is not None and cfg.task == "clip":
+        raise ValueError("--task clip runs in one process: CLIP's loss compares every image of a batch with every "
+                         "caption of it, which slicing the batch over ranks would split")
+    if world is not None:                           # each rank takes B / R images of every batch
+        distributed.check_global_batch(cfg.batch_size, world.world_size, cfg.grad_accum)
+        if world.rank != 0:                         # rank 0 alone shows the progress bar
+            cfg = dataclasses.replace(cfg, progress=False)
     steps_per_epoch = data.x_train.shape[0] // cfg.batch_size
     total_steps = run_length(cfg, steps_per_epoch)
     warmup = cfg.warmup_steps if cfg.warmup_steps is not None else round((cfg.warmup_epochs or 0) * steps_per_epoch)
@@ -847,17 +883,20 @@ def set_up(cfg, model=None, data=None):
     model.set_matmul_dtype("float16" if cfg.precision == "float16" else None)
     scaler = LossScaler() if cfg.precision == "float16" else None
     run = Run(cfg, data, model, build_optimizer(cfg, model), scaler, schedule, steps_per_epoch, total_steps,
-              evaluation_steps(cfg, total_steps, steps_per_epoch), given_model)
+              evaluation_steps(cfg, total_steps, steps_per_epoch), given_model, world)
     if resumed is not None:
         restore(run, resumed, before, applied)
-    if cfg.out is not None:                         # every setting has been checked: now the folder is touched
+    if world is not None:                           # after restore: ZeRO-1 shares out the optimizer state it loaded
+        run.dp = distributed.DataParallel(world, model, run.optimizer, zero=cfg.zero)
+    if cfg.out is not None and run.writes:          # every setting has been checked: now the folder is touched
         open_out(cfg.out, overwrite=cfg.overwrite)
         if resumed is not None and os.path.exists(os.path.join(cfg.out, "metrics.jsonl")):
             _write_jsonl_atomic(os.path.join(cfg.out, "metrics.jsonl"), run.history)   # without torn or later lines
     # the whole data set goes to the backend once (on CuPy it then lives on the GPU), its labels checked first
     check_labels(data)
     run.x_train, run.y_train = (backend.asarray(a, backend=model.backend) for a in (data.x_train, data.y_train))
-    run.x_test, run.y_test = (backend.asarray(a, backend=model.backend) for a in (data.x_test, data.y_test))
+    x_test, y_test = (data.x_test, data.y_test) if world is None else distributed.shard(world, data.x_test, data.y_test)
+    run.x_test, run.y_test = (backend.asarray(a, backend=model.backend) for a in (x_test, y_test))
     if cfg.task == "clip":
         from .clip_train import CLIPTask
 
@@ -933,23 +972,27 @@ def run_loop(run, callback=None):
                 optimizer.lr = run.schedule(run.step)
                 if run.task is None:
                     x, y = batch_for_step(run.step, cfg, run.x_train, run.y_train, run.steps_per_epoch, data.mean,
-                                          data.std, cfg.dtype, data.num_classes)   # (B, H, W, C), (B,) or (B, K)
+                                          data.std, cfg.dtype, data.num_classes, run.world)  # (B, H, W, C), (B,) or (B, K)
                 else:
                     x, y = run.task.batch(run.step)           # CLIP: images (B, H, W, C), their tokens (B, L)
+                if run.world is not None:   # dropout and drop-path draw from a stream of (seed, step, rank)
+                    distributed.seed_dropout(model, cfg.seed, run.step, run.world.rank)
                 try:
-                    loss, correct, _ = (train_step(model, optimizer, x, y, cfg, run.scaler) if run.task is None
+                    loss, correct, _ = (train_step(model, optimizer, x, y, cfg, run.scaler, run.dp) if run.task is None
                                         else run.task.train_step(x, y))
                 except FloatingPointError as err:             # the loss scaler gave up: see amp.LossScaler
                     raise run.diverged(str(err)) from None
                 if not math.isfinite(loss):
                     raise run.diverged(f"the loss became {loss}")
                 run.step += 1
-                run.seen_loss += loss * x.shape[0]
+                run.seen_loss += loss * cfg.batch_size        # (with several ranks x holds this rank's slice)
                 run.seen_correct += correct
-                run.seen_images += x.shape[0]
+                run.seen_images += cfg.batch_size
                 bar.update(1)
-                bar.set_postfix(loss=f"{loss:.3f}", acc=f"{correct / x.shape[0]:.2f}",
+                bar.set_postfix(loss=f"{loss:.3f}", acc=f"{correct / cfg.batch_size:.2f}",
                                 img_s=f"{run.images_per_second():.0f}")
+                if run.world is not None:   # a signal to any rank stops every rank, after this same step
+                    flag.agree(run.world)
                 if run.step in run.eval_steps or flag.stop:
                     record = evaluate_and_save(run)
                     if cfg.verbose:
@@ -980,6 +1023,8 @@ def evaluate_and_save(run):
         more = {}
     else:                     # CLIP: val_acc is the zero-shot accuracy; more: its split, recall@1/@5, logit_scale
         val_loss, val_acc, more = run.task.evaluate()
+    if run.world is not None:                        # each rank evaluated its share: the means over the split
+        val_loss, val_acc = distributed.mean_over_ranks(run.world, [val_loss, val_acc], run.x_test.shape[0])
     run.eval_seconds += time.perf_counter() - start
     bad = non_finite_params(run.model)
     if not math.isfinite(val_loss) or bad:
@@ -994,7 +1039,9 @@ def evaluate_and_save(run):
         record.update(loss_scale=run.scaler.scale_value, skipped_steps=run.scaler.skipped_steps)
     run.history.append(record)
     run.seen_loss, run.seen_correct, run.seen_images = 0.0, 0, 0
-    if run.cfg.out is not None:
+    if run.cfg.out is not None and run.dp is not None:
+        run.dp.gather_optimizer_state()              # ZeRO-1: the whole state, for the checkpoint (every rank)
+    if run.cfg.out is not None and run.writes:      # rank 0 alone writes
         _append_jsonl(os.path.join(run.cfg.out, "metrics.jsonl"), record)
         extra = {"step": run.step, "best_val_accuracy": run.best, "train_config": dataclasses.asdict(run.cfg),
                  "classes": run.data.classes, "mean": list(run.data.mean), "std": list(run.data.std),
@@ -1007,7 +1054,10 @@ def evaluate_and_save(run):
             save_checkpoint(run.ckpt_path, run.model, run.optimizer, extra)
         except OSError as err:
             raise _naming_path(err, run.ckpt_path) from None
+    if run.cfg.out is not None:
         run.saved_step = run.step
+    if run.dp is not None:
+        run.dp.release_optimizer_state()
     return record
 
 
@@ -1022,13 +1072,13 @@ def finish(run, stopped_by):
                "images_per_second": (run.step - run.start_step) * run.cfg.batch_size / max(wall, 1e-9),
                "interrupted": stopped_by is not None, "signal": stopped_by, "backend": backend.get_backend(),
                "dataset": run.data.name, "num_params": run.model.num_params(), "config": run.model.config.to_dict(),
-               "train_config": dataclasses.asdict(run.cfg)}
+               "train_config": dataclasses.asdict(run.cfg), "world_size": 1 if run.world is None else run.world.world_size}
     if run.scaler is not None:
         summary.update(loss_scale=run.scaler.scale_value, skipped_steps=run.scaler.skipped_steps)
     if run.task is not None:                          # CLIP: the last evaluation's zero-shot and retrieval figures
         summary.update({k: v for k, v in last.items() if k in run.task.SUMMARY})
     out = run.cfg.out
-    if out is not None:
+    if out is not None and run.writes:
         _write_json_atomic(os.path.join(out, "summary.json"), summary)
         if run.history:
             try:
@@ -1112,4 +1162,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(distributed.exit_status(main()))   # with several ranks, an error on one ends them all

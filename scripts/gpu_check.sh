@@ -3,7 +3,7 @@
 #
 #     bash scripts/gpu_check.sh
 #
-# Budget, by construction: the step timeouts below add up to 500 s (tests/test_gpu_glue.py checks that the
+# Budget, by construction: the step timeouts below add up to 535 s (tests/test_gpu_glue.py checks that the
 # sum stays under 540 s), so the whole check fits in one 600 s device command, JIT compiles included. Each
 # step runs under `timeout -s INT` (pytest then still prints its summary) with PYTHONUNBUFFERED=1 (no
 # output lost in a buffer). A failing or timed-out step does not stop the later ones.
@@ -15,7 +15,8 @@
 #
 # Steps: probe (the machine, CuPy, torch); gpu_tests (tests/test_gpu.py and the GPU tests of
 # test_fast_paths.py); suite_on_cupy (the suite with --backend cupy, without the slow and parity tests and
-# the notebooks; test_cuda_source.py compiles with the machine's NVRTC there); three benchmarks of vit_cifar_tiny at batch 128
+# the notebooks; test_cuda_source.py compiles with the machine's NVRTC there); nccl (the 1-rank NCCL test
+# of tests/test_distributed.py: NCCL refuses two ranks on one GPU; skipped without mpi4py); three benchmarks of vit_cifar_tiny at batch 128
 # (FP32, TF32, mixed float16; each says which precision each side used); train (the demo recipe on
 # shapes, 300 steps, minivit against the same loop in PyTorch: images/s and accuracy).
 set -u
@@ -55,6 +56,7 @@ step gpu_tests 100 "$PY" -m pytest -q -p no:cacheprovider -rs -m gpu tests/test_
   --durations=8
 step suite_on_cupy 120 "$PY" -m pytest -q -p no:cacheprovider --backend cupy -m "not slow and not parity" \
   --ignore=tests/test_notebooks.py --durations=15 tests/
+step nccl 35 "$PY" -m pytest -q -p no:cacheprovider -rs -m gpu tests/test_distributed.py  # needs mpi4py, else skips
 step bench_fp32 65 env CUPY_TF32=0 "$PY" benchmarks/bench.py --device gpu --no-sweep --no-profile --repeats 3 --out "$LOGS"
 step bench_tf32 50 env CUPY_TF32=1 "$PY" benchmarks/bench.py --device gpu --no-sweep --no-profile --repeats 3 --out "$LOGS"
 step bench_fp16 45 env CUPY_TF32=1 "$PY" benchmarks/bench.py --device gpu --no-sweep --no-profile --no-memory --repeats 3 \

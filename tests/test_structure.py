@@ -36,7 +36,7 @@ LEVELS = [
     ("optim", "augment", "data", "download"),  # what training uses beside the model
     ("captions",),                  # captioned images for CLIP, built on data (branch clip)
     ("clip_train",),                # CLIP's task for the trainer: its data, batches, step, evaluation (branch clip)
-    ("checkpoint",),                # the trainer's .npz files: a model and its optimizer
+    ("checkpoint", "distributed"),  # the trainer's .npz files; data parallelism over MPI and NCCL
     ("convert",),                   # published checkpoints (timm, JAX) and from_pretrained: above the model
     ("viz", "plot"),                # pictures: attention maps and patches, training curves
     ("train", "predict", "check"),  # what a person runs: the trainer and the other command lines
