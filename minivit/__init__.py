@@ -30,8 +30,8 @@ __all__ = ["asarray", "backend_module", "get_array_module", "get_backend", "gpu_
            "flops", "param_shapes", "presets", "trace", "load_model", "from_pretrained"]
 
 # Imported on first use: minivit.train (tqdm), .download (tqdm), .data, .viz and .plot (matplotlib inside),
-# .predict (Pillow inside), .augment, .resnet.
-_LAZY = ("augment", "data", "download", "plot", "predict", "resnet", "train", "viz")
+# .predict (Pillow inside), .augment, .resnet, .stats.
+_LAZY = ("augment", "data", "download", "plot", "predict", "resnet", "stats", "train", "viz")
 
 
 def __getattr__(name):
