@@ -30,9 +30,9 @@ __all__ = ["asarray", "backend_module", "get_array_module", "get_backend", "gpu_
            "flops", "param_shapes", "presets", "trace", "load_model", "from_pretrained"]
 
 # Imported on first use: minivit.train (tqdm), .download (tqdm), .data, .viz and .plot (matplotlib inside),
-# .predict (Pillow inside), .augment, .resnet, .clip and .captions (CLIP).
+# .predict (Pillow inside), .augment, .resnet, .stats, .clip and .captions (CLIP).
 _LAZY = ("augment", "captions", "check", "clip", "clip_train", "data", "distributed", "download", "plot", "predict",
-         "resnet", "train", "viz")
+         "resnet", "stats", "train", "viz")
 
 
 def __getattr__(name):

@@ -37,7 +37,9 @@ UNUSED = {"img_size": None, "patch_size": None, "embed_dim": None, "depth": None
           "label_smoothing": 0.0, "init": None, "init_gelu": None, "precision": "float32", "fallback": False,
           "download": False,
           # the loss of a batch is not a mean over its micro-batches: every caption is a negative of every image
-          "grad_accum": 1}
+          "grad_accum": 1,
+          # minivit.stats walks a classifier's stages (the ViT's), not CLIP's two towers
+          "log_stats": None}
 
 
 def check_config(cfg):

@@ -1,6 +1,7 @@
-"""Training curves: loss and accuracy against epochs, from OUT/metrics.jsonl.
+"""Training curves: loss and accuracy against epochs, from OUT/metrics.jsonl; with --log-stats, the
+per-layer statistics too (plot_stats).
 
-    python -m minivit.plot runs/cifar10          # writes runs/cifar10/curves.png
+    python -m minivit.plot runs/cifar10          # writes runs/cifar10/curves.png (and stats.png)
 """
 
 import argparse
@@ -9,10 +10,13 @@ import os
 import sys
 
 
-def read_metrics(out_dir):
-    """The list of evaluation records in OUT/metrics.jsonl (one JSON object per line). A torn last line
-    (a run killed while appending it) is dropped with a warning naming the file; a bad line elsewhere
-    is a ValueError naming the file and the line."""
+def read_metrics(out_dir, kind="eval"):
+    """The records in OUT/metrics.jsonl (one JSON object per line) of this kind: "eval" (one per evaluation:
+    those without a "kind" field), "stats" (--log-stats: minivit.stats), None: all, in file order. A torn
+    last line (a run killed while appending it) is dropped with a warning naming the file; a bad line
+    elsewhere is a ValueError naming the file and the line."""
+    if kind not in ("eval", "stats", None):
+        raise ValueError(f"kind must be 'eval', 'stats' or None, got {kind!r}")
     path = os.path.join(out_dir, "metrics.jsonl")
     if not os.path.exists(path):
         raise FileNotFoundError(f"no metrics at {path!r}: is {out_dir!r} the --out folder of a training run?")
@@ -27,7 +31,7 @@ def read_metrics(out_dir):
                 raise ValueError(f"{path}: line {i} is not a JSON record ({err})") from None
             print(f"warning: {path}: dropped its torn last line {i} (a write cut short): {line.strip()[:60]!r}",
                   file=sys.stderr)
-    return records
+    return [r for r in records if kind is None or r.get("kind", "eval") == kind]
 
 
 def plot_curves(history, path=None, title=None):
@@ -64,6 +68,62 @@ def plot_curves(history, path=None, title=None):
     return fig
 
 
+def plot_stats(records, path=None, title=None):
+    """Four panels from --log-stats records (a list, or a run folder): against the step, the std of each
+    stage's output; the gradient norm and the update-to-parameter ratio ||theta' - theta|| / ||theta|| of
+    every weight matrix (log scale; the dashed line is the 1e-3 rule of thumb); each block's attention
+    entropy (1: uniform, 0: one-hot) and fraction of GELU inputs in its flat tail. Saves to path when
+    given; returns the matplotlib Figure."""
+    import matplotlib
+
+    if path is not None and matplotlib.get_backend().lower() not in ("agg", "module://matplotlib_inline.backend_inline"):
+        matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if isinstance(records, (str, os.PathLike)):
+        title = title or os.path.basename(os.path.normpath(records))
+        records = read_metrics(records, kind="stats")
+    records = [r for r in records if r.get("kind") == "stats"]
+    if not records:
+        raise ValueError("no stats records to plot (train with --log-stats K)")
+    steps = [r["step"] for r in records]
+    fig, axes = plt.subplots(1, 4, figsize=(15, 3.3), dpi=90)
+    stages = list(records[0]["activations"])
+    colours = plt.cm.viridis([i / max(len(stages) - 1, 1) for i in range(len(stages))])
+    for name, colour in zip(stages, colours):
+        axes[0].plot(steps, [r["activations"][name]["std"] for r in records], color=colour, label=name)
+    axes[0].set(xlabel="step", ylabel="std", title="activations: std of each stage's output", yscale="log")
+    weights = [n for n in records[0]["params"] if n.endswith("weight") and "norm" not in n]   # the matrices
+    colours = plt.cm.plasma([i / max(len(weights) - 1, 1) for i in range(len(weights))])
+    for name, colour in zip(weights, colours):
+        axes[1].plot(steps, [r["params"][name]["grad_norm"] for r in records], color=colour, lw=1, label=name)
+        ratio = [r["params"][name]["update_ratio"] for r in records]
+        axes[2].plot(steps, [float("nan") if v is None else v for v in ratio], color=colour, lw=1, label=name)
+    axes[1].set(xlabel="step", ylabel="||g||", title="gradient norm of each weight matrix", yscale="log")
+    axes[2].axhline(1e-3, color="k", ls="--", lw=0.8)
+    axes[2].set(xlabel="step", ylabel="||update|| / ||param||", title="update-to-parameter ratio", yscale="log")
+    blocks = list(records[0]["blocks"])
+    colours = plt.cm.viridis([i / max(len(blocks) - 1, 1) for i in range(len(blocks))])
+    for name, colour in zip(blocks, colours):
+        axes[3].plot(steps, [r["blocks"][name]["attn_entropy"] for r in records], color=colour, label=f"{name} attention entropy")
+        axes[3].plot(steps, [r["blocks"][name]["gelu_flat"] for r in records], color=colour, ls=":",
+                     label=f"{name} GELU flat")
+    axes[3].set(xlabel="step", ylim=(-0.03, 1.03), title="attention entropy / log N (solid), GELU flat (dotted)")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.title.set_fontsize(9)
+    for ax, items in ((axes[0], stages), (axes[2], weights), (axes[3], blocks)):
+        if 0 < len(items) <= 8:
+            ax.legend(fontsize=6)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    if path is not None:
+        fig.savefig(path)
+        plt.close(fig)
+    return fig
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m minivit.plot", description="Plot training curves of a run.")
     p.add_argument("out", help="the --out folder of a training run")
@@ -72,10 +132,13 @@ def main(argv=None):
     path = args.path or os.path.join(args.out, "curves.png")
     try:
         plot_curves(args.out, path)
+        has_stats = bool(read_metrics(args.out, kind="stats"))
+        if has_stats:
+            plot_stats(args.out, os.path.join(os.path.dirname(path) or ".", "stats.png"))
     except (FileNotFoundError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    print(f"wrote {path}")
+    print(f"wrote {path}" + (" and stats.png beside it" if has_stats else ""))
     return 0
 
 

@@ -46,7 +46,7 @@ import numpy
 from tqdm import tqdm
 
 from . import augment as A
-from . import backend, distributed, ops
+from . import backend, distributed, ops, stats
 from .amp import LossScaler
 from .checkpoint import (check_finite, load_checkpoint, remove_stale_temporaries, restore_dropout_rngs,
                          save_checkpoint, write_atomic)
@@ -181,6 +181,8 @@ class TrainConfig:
     num_evals: int = option(None, "or: evaluate this many times, evenly spaced, the last at the end")
     eval_batch_size: int = option(500, "images per forward pass of an evaluation")
     train_subset: int = option(None, "train on the first N training images only (quick runs, data-size studies)")
+    log_stats: int = option(None, "every K steps, per-layer activation mean/std, gradient norm and update-to-"
+                                  "parameter ratio into metrics.jsonl (records of kind 'stats': minivit.stats)")
     # fine-tuning
     init: str = option(None, "start from pretrained weights (.npz or .safetensors: minivit.from_pretrained)")
     new_head: bool = option(True, "with --init: keep the checkpoint's head instead of a new zero-initialised one",
@@ -198,7 +200,7 @@ class TrainConfig:
 # length and evaluation cadence change when asked for (said in one line); any other setting that differs
 # is refused by name.
 RESUME_RUNTIME = ("out", "resume", "overwrite", "progress", "verbose", "backend", "eval_batch_size", "download",
-                  "fallback", "zero")
+                  "fallback", "zero", "log_stats")
 RESUME_APPLIED = ("epochs", "max_steps", "eval_every", "num_evals")
 RUN_FILES = ("checkpoint.npz", "metrics.jsonl", "summary.json", "curves.png")
 MODEL_FIELDS = ("img_size", "patch_size", "embed_dim", "depth", "num_heads", "mlp_ratio", "pool", "drop_rate",
@@ -273,7 +275,7 @@ def resolve(cfg):
         raise ValueError(f"precision 'float16' keeps float32 master weights: it needs dtype 'float32', got {r.dtype!r}")
     if r.epochs is None and r.max_steps is None:
         raise ValueError("give epochs or max_steps")
-    for name in ("batch_size", "max_steps", "eval_every", "num_evals", "eval_batch_size", "train_subset"):
+    for name in ("batch_size", "max_steps", "eval_every", "num_evals", "eval_batch_size", "train_subset", "log_stats"):
         if getattr(r, name) is not None and getattr(r, name) < 1:
             raise ValueError(f"{name} must be a positive int, got {getattr(r, name)!r}")
     if r.grad_accum < 1 or r.batch_size % r.grad_accum:
@@ -293,6 +295,8 @@ def resolve(cfg):
         raise ValueError(f"random_erasing must be a probability in [0, 1], got {r.random_erasing!r}")
     if r.eval_every is not None and r.num_evals is not None:
         raise ValueError(f"give eval_every or num_evals, not both (got {r.eval_every!r} and {r.num_evals!r})")
+    if r.log_stats and r.out is None:
+        raise ValueError(f"log_stats {r.log_stats} writes its records to out/metrics.jsonl, but out is None")
     if r.resume and r.overwrite:
         raise ValueError("give resume (continue the run in out) or overwrite (replace it), not both")
     return r
@@ -891,7 +895,8 @@ def set_up(cfg, model=None, data=None):
     if cfg.out is not None and run.writes:          # every setting has been checked: now the folder is touched
         open_out(cfg.out, overwrite=cfg.overwrite)
         if resumed is not None and os.path.exists(os.path.join(cfg.out, "metrics.jsonl")):
-            _write_jsonl_atomic(os.path.join(cfg.out, "metrics.jsonl"), run.history)   # without torn or later lines
+            kept = [r for r in read_metrics(cfg.out, kind=None) if r.get("step", 0) <= run.step]   # stats too,
+            _write_jsonl_atomic(os.path.join(cfg.out, "metrics.jsonl"), kept)   # without torn or later lines
     # the whole data set goes to the backend once (on CuPy it then lives on the GPU), its labels checked first
     check_labels(data)
     run.x_train, run.y_train = (backend.asarray(a, backend=model.backend) for a in (data.x_train, data.y_train))
@@ -977,6 +982,9 @@ def run_loop(run, callback=None):
                     x, y = run.task.batch(run.step)           # CLIP: images (B, H, W, C), their tokens (B, L)
                 if run.world is not None:   # dropout and drop-path draw from a stream of (seed, step, rank)
                     distributed.seed_dropout(model, cfg.seed, run.step, run.world.rank)
+                logged = cfg.log_stats and (run.step + 1) % cfg.log_stats == 0
+                if logged:                                    # --log-stats: minivit.stats, before and after the step
+                    before, acts = stats.snapshot(model), stats.activation_stats(model, x)
                 try:
                     loss, correct, _ = (train_step(model, optimizer, x, y, cfg, run.scaler, run.dp) if run.task is None
                                         else run.task.train_step(x, y))
@@ -986,6 +994,8 @@ def run_loop(run, callback=None):
                     raise run.diverged(f"the loss became {loss}")
                 run.step += 1
                 run.seen_loss += loss * cfg.batch_size        # (with several ranks x holds this rank's slice)
+                if logged and run.writes:
+                    _append_jsonl(os.path.join(cfg.out, "metrics.jsonl"), stats.step_record(run.step, model, before, *acts))
                 run.seen_correct += correct
                 run.seen_images += cfg.batch_size
                 bar.update(1)

@@ -33,7 +33,7 @@ LEVELS = [
     ("gradcheck",),                 # checks any layer's backward against central differences
     ("model",),                     # ViTConfig, param_shapes, flops, Classifier, ViT, trace, presets
     ("resnet", "clip"),             # models built on the ViT's parts: the CNN baseline, CLIP (branch clip)
-    ("optim", "augment", "data", "download"),  # what training uses beside the model
+    ("optim", "augment", "data", "download", "stats"),  # what training uses beside the model
     ("captions",),                  # captioned images for CLIP, built on data (branch clip)
     ("clip_train",),                # CLIP's task for the trainer: its data, batches, step, evaluation (branch clip)
     ("checkpoint", "distributed"),  # the trainer's .npz files; data parallelism over MPI and NCCL
@@ -108,7 +108,7 @@ def test_the_checker_sees_imports_inside_functions(tmp_path):
 
 
 MODULES = ["amp", "augment", "backend", "checkpoint", "conv", "convert", "data", "download", "functional",
-           "kernels", "layers", "model", "optim", "plot", "predict", "resnet", "train", "viz"]
+           "kernels", "layers", "model", "optim", "plot", "predict", "resnet", "stats", "train", "viz"]
 
 
 @pytest.mark.parametrize("name", MODULES + ["ops", "check"])
