@@ -35,7 +35,6 @@ minivit's Block, so ``text.blocks.0.attn.qkv.weight``...), and ``logit_scale``. 
     logit_scale ()                       logit_scale ()                             none
 """
 
-import dataclasses
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -43,7 +42,7 @@ from dataclasses import dataclass
 from . import functional as F
 from .backend import asarray, backend_module, backend_of, get_array_module, host_rng, is_array, to_numpy
 from .layers import Block, Embedding, Layer, LayerNorm, Linear, PosEmbed, zeros
-from .model import DTYPES, ViT, ViTConfig
+from .model import DTYPES, ConfigDict, ViT, ViTConfig, block_shapes
 
 # --------------------------------------------------------------------------------------------------
 # The joint space: L2 normalisation, the logits with a learned temperature, the symmetric InfoNCE loss
@@ -213,7 +212,7 @@ class TextTransformer(Layer):
 
 
 @dataclass(frozen=True)
-class CLIPConfig:
+class CLIPConfig(ConfigDict):
     """The shape of a CLIP. Defaults are OpenAI's ViT-B/32 (embed 512; 224 px, patch 32, width 768, 12
     layers, 12 heads; text: 77 tokens, 49408 words, width 512, 12 layers, 8 heads)."""
 
@@ -274,25 +273,9 @@ class CLIPConfig:
     def num_params(self):
         """The parameter count, from the shapes alone."""
         W, M, E = self.text_width, int(self.text_width * self.mlp_ratio), self.embed_dim
-        block = 2 * W + W * 3 * W + 3 * W + W * W + W + 2 * W + W * M + M + M * W + W
+        block = sum(math.prod(shape) for shape in block_shapes("", W, M, qkv_bias=True).values())
         text = self.vocab_size * W + self.context_length * W + self.text_layers * block + 2 * W + W * E
         return self.vision_config().num_params() + text + 1          # + logit_scale
-
-    def to_dict(self):
-        d = dataclasses.asdict(self)
-        d["img_size"] = list(self.img_size)
-        return d
-
-    @classmethod
-    def from_dict(cls, d):
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(d) - known
-        if unknown:
-            raise ValueError(f"unknown CLIPConfig fields {sorted(unknown)}; known: {sorted(known)}")
-        d = dict(d)
-        if isinstance(d.get("img_size"), list):
-            d["img_size"] = tuple(d["img_size"])
-        return cls(**d)
 
 
 class CLIP(Layer):

@@ -42,8 +42,29 @@ from .layers import (Block, Dropout, GridPosEmbed, Layer, LayerNorm, Linear, Pat
 DTYPES = ("float32", "float64")
 
 
+class ConfigDict:
+    """to_dict / from_dict for the model configs (ViTConfig, clip.CLIPConfig): the dataclass's fields as a
+    dict that JSON can hold (img_size as a list), and back, refusing fields the config does not have."""
+
+    def to_dict(self):
+        d = dataclasses.asdict(self)
+        d["img_size"] = list(self.img_size)
+        return d
+
+    @classmethod
+    def from_dict(cls, d):
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown {cls.__name__} fields {sorted(unknown)}; known: {sorted(known)}")
+        d = dict(d)
+        if isinstance(d.get("img_size"), list):
+            d["img_size"] = tuple(d["img_size"])
+        return cls(**d)
+
+
 @dataclass(frozen=True)
-class ViTConfig:
+class ViTConfig(ConfigDict):
     """The shape of a ViT. Defaults are ViT-B/16 at 224 (the paper's Table 1, "Base")."""
 
     img_size: tuple = (224, 224)   # (H, W) of the input; an int means a square image
@@ -152,21 +173,6 @@ class ViTConfig:
         """The parameter count, computed from the shapes alone (nothing is allocated): see param_shapes."""
         return sum(math.prod(shape) for shape in param_shapes(self).values())
 
-    def to_dict(self):
-        d = dataclasses.asdict(self)
-        d["img_size"] = list(self.img_size)
-        return d
-
-    @classmethod
-    def from_dict(cls, d):
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(d) - known
-        if unknown:
-            raise ValueError(f"unknown ViTConfig fields {sorted(unknown)}; known: {sorted(known)}")
-        d = dict(d)
-        if isinstance(d.get("img_size"), list):
-            d["img_size"] = tuple(d["img_size"])
-        return cls(**d)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -202,14 +208,7 @@ def param_shapes(config):
     if c.pre_norm:
         shapes.update({"norm_pre.weight": (D,), "norm_pre.bias": (D,)})   # CLIP's ln_pre
     for i in range(c.depth):
-        b = f"blocks.{i}."
-        shapes.update({b + "norm1.weight": (D,), b + "norm1.bias": (D,), b + "attn.qkv.weight": (D, 3 * D)})
-        if c.qkv_bias:
-            shapes[b + "attn.qkv.bias"] = (3 * D,)
-        shapes.update({b + "attn.proj.weight": (D, D), b + "attn.proj.bias": (D,),
-                       b + "norm2.weight": (D,), b + "norm2.bias": (D,),
-                       b + "mlp.fc1.weight": (D, M), b + "mlp.fc1.bias": (M,),
-                       b + "mlp.fc2.weight": (M, D), b + "mlp.fc2.bias": (D,)})
+        shapes.update(block_shapes(f"blocks.{i}.", D, M, c.qkv_bias))
     shapes.update({"norm.weight": (D,), "norm.bias": (D,)})
     head_in = D
     if c.representation_size is not None:
@@ -218,6 +217,19 @@ def param_shapes(config):
     shapes["head.weight"] = (head_in, c.num_classes)
     if c.head_bias:                                                   # CLIP's image projection has none
         shapes["head.bias"] = (c.num_classes,)
+    return shapes
+
+
+def block_shapes(prefix, D, M, qkv_bias=True):
+    """name -> shape of one pre-LN Block's parameters (layers.Block: width D, MLP width M), names after prefix."""
+    b = prefix
+    shapes = {b + "norm1.weight": (D,), b + "norm1.bias": (D,), b + "attn.qkv.weight": (D, 3 * D)}
+    if qkv_bias:
+        shapes[b + "attn.qkv.bias"] = (3 * D,)
+    shapes.update({b + "attn.proj.weight": (D, D), b + "attn.proj.bias": (D,),
+                   b + "norm2.weight": (D,), b + "norm2.bias": (D,),
+                   b + "mlp.fc1.weight": (D, M), b + "mlp.fc1.bias": (M,),
+                   b + "mlp.fc2.weight": (M, D), b + "mlp.fc2.bias": (D,)})
     return shapes
 
 

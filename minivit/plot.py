@@ -59,13 +59,7 @@ def plot_curves(history, path=None, title=None):
     for ax in (ax_loss, ax_acc):
         ax.grid(alpha=0.3)
         ax.legend()
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    if path is not None:
-        fig.savefig(path)
-        plt.close(fig)
-    return fig
+    return _finish(fig, title, path)
 
 
 def plot_stats(records, path=None, title=None):
@@ -115,6 +109,12 @@ def plot_stats(records, path=None, title=None):
     for ax, items in ((axes[0], stages), (axes[2], weights), (axes[3], blocks)):
         if 0 < len(items) <= 8:
             ax.legend(fontsize=6)
+    return _finish(fig, title, path)
+
+
+def _finish(fig, title, path):
+    """The figure titled, laid out, and saved to path (then closed) when a path is given; returns it."""
+    import matplotlib.pyplot as plt
     if title:
         fig.suptitle(title)
     fig.tight_layout()

@@ -14,22 +14,12 @@ from minivit import clip
 from minivit import functional as F
 from minivit import kernels, ops
 from minivit import layers as L
+from minivit.gradcheck import PairLayer
 
 TOL = 1e-7
 
 
-class Pair:
-    """A pure pair (forward(x) -> out, cache; backward(dout, cache) -> dx) as a layer, for gradcheck."""
-
-    def __init__(self, forward, backward):
-        self.f, self.b, self.cache = forward, backward, None
-
-    def forward(self, x):
-        out, self.cache = self.f(x)
-        return out
-
-    def backward(self, dout):
-        return self.b(dout, self.cache)
+Pair = PairLayer   # a pure pair (forward(x) -> out, cache; backward(dout, cache) -> dx) as a layer
 
 
 class WithTokens:

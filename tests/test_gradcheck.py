@@ -10,22 +10,12 @@ import pytest
 import minivit
 from minivit import functional as F
 from minivit import layers as L
+from minivit.gradcheck import PairLayer
 
 TOL = 1e-7  # right backwards give ~1e-9 or less here; wrong ones give 1e-2 and up
 
 
-class Pair:
-    """Wraps a pure functional pair (forward(x) -> out, cache; backward(dout, cache) -> dx) as a layer."""
-
-    def __init__(self, forward, backward):
-        self.f, self.b, self.cache = forward, backward, None
-
-    def forward(self, x):
-        out, self.cache = self.f(x)
-        return out
-
-    def backward(self, dout):
-        return self.b(dout, self.cache)
+Pair = PairLayer   # a pure pair (forward(x) -> out, cache; backward(dout, cache) -> dx) as a layer
 
 
 def check(layer, x, **kw):
