@@ -90,9 +90,11 @@ RECIPES = {
                          warmup_epochs=0.3, label_smoothing=0.0, optimizer="adamw", augment="none"),
 }
 
-
-DEFAULT_RECIPE = {"cifar10": "fast", "fashion-mnist": "fashion-cpu", "shapes": "demo", "folder": "demo"}
-
+# What a field takes when neither the command line nor the recipe gives it. In TrainConfig these fields
+# are None ("not given"), like every other setting, so that a recipe can set them (the `long` recipe's
+# cutmix and random_erasing) and a resumed run can tell a flag given, even at this value, from one left out.
+BASE = dict(grad_accum=1, min_lr=0.0, momentum=0.9, mixup=0.0, cutmix=0.0, random_erasing=0.0, seed=0,
+            dtype="float32", precision="float32")
 
 DEFAULT_RECIPE = {"cifar10": "fast", "fashion-mnist": "fashion-cpu", "shapes": "demo", "folder": "demo"}
 CLIP_RECIPE = {"shapes": "clip-shapes", "fashion-mnist": "clip-fashion"}   # --task clip's defaults
@@ -149,29 +151,29 @@ class TrainConfig:
     epochs: float = option(None, "passes over the training images" + FROM_RECIPE)
     max_steps: int = option(None, "at most this many optimizer steps; without epochs, exactly this many")
     batch_size: int = option(None, "images per optimizer step" + FROM_RECIPE)
-    grad_accum: int = option(1, "split each step into this many micro-batches (same result, less memory)")
+    grad_accum: int = option(None, "split each step into this many micro-batches (same result, less memory)")
     lr: float = option(None, "the peak learning rate, after warm-up and before the cosine decay" + FROM_RECIPE)
-    min_lr: float = option(0.0, "the learning rate the cosine ends at")
+    min_lr: float = option(None, "the learning rate the cosine ends at")
     weight_decay: float = option(None, "decoupled weight decay, not on biases, norms, tokens or position "
                                        "embeddings" + FROM_RECIPE)
     warmup_epochs: float = option(None, "linear warm-up of the learning rate, in epochs" + FROM_RECIPE)
     warmup_steps: int = option(None, "linear warm-up in steps (overrides warmup_epochs)")
     label_smoothing: float = option(None, "eps: the target becomes (1 - eps) onehot + eps / K" + FROM_RECIPE)
     optimizer: str = option(None, "the update rule" + FROM_RECIPE, OPTIMIZERS)
-    momentum: float = option(0.9, "SGD only: the momentum")
+    momentum: float = option(None, "SGD only: the momentum")
     clip_grad: float = option(None, "clip the global gradient norm to this (default: no clipping)")
     # the data's augmentation
     augment: str = option(None, "none; standard: crop and flip; randaug: RandAugment" + FROM_RECIPE, A.POLICIES)
-    mixup: float = option(0.0, "mixup alpha (0: off)")
-    cutmix: float = option(0.0, "cutmix alpha (0: off); with both on, each step picks one")
-    random_erasing: float = option(0.0, "the probability of erasing a patch of each image")
-    seed: int = option(0, "the seed of the model's initialisation, the batches and the augmentation")
+    mixup: float = option(None, "mixup alpha (0: off)")
+    cutmix: float = option(None, "cutmix alpha (0: off); with both on, each step picks one")
+    random_erasing: float = option(None, "the probability of erasing a patch of each image")
+    seed: int = option(None, "the seed of the model's initialisation, the batches and the augmentation")
     zero: bool = option(False, "with several ranks (mpiexec): shard the optimizer state across them (ZeRO-1, "
                                "minivit/distributed.py); no effect in one process")
     # where it runs, what it writes
     backend: str = option(None, "where to compute (default: the current backend)", backend.BACKENDS)
-    dtype: str = option("float32", "the parameters' dtype", DTYPES)
-    precision: str = option("float32", "float16: mixed precision (float16 matmuls, float32 master weights, "
+    dtype: str = option(None, "the parameters' dtype", DTYPES)
+    precision: str = option(None, "float16: mixed precision (float16 matmuls, float32 master weights, "
                                        "loss scaling; for the GPU)", PRECISIONS)
     out: str | None = option("runs/default", "the run folder (metrics, checkpoint, summary, curves); {dataset} in it "
                                       "becomes the data set's name; None (from Python): write nothing", parse=str)
@@ -261,6 +263,9 @@ def resolve(cfg):
     steps_only = cfg.max_steps is not None and cfg.epochs is None   # max_steps alone: exactly that many
     for key, value in RECIPES[cfg.recipe].items():
         if values.get(key) is None and not (key == "epochs" and steps_only):
+            values[key] = value
+    for key, value in BASE.items():                                # then what no recipe sets
+        if values[key] is None:
             values[key] = value
     values["task"] = values["task"] or "classify"
     r = TrainConfig(**values)
@@ -1143,6 +1148,8 @@ def _parser():
         if f.type is bool:         # an on/off flag: given, it turns the field's default around
             p.add_argument(_flag(f.name), dest=f.name, action="store_false" if f.default else "store_true", help=help)
         else:
+            if f.name in BASE:
+                help += f" (default: the recipe's, else {BASE[f.name]})"
             p.add_argument(_flag(f.name), dest=f.name, type=f.metadata["parse"] or f.type, default=f.default,
                            choices=f.metadata["choices"], help=help)
     return p

@@ -196,6 +196,19 @@ def test_resume_keeps_the_cadence_applies_a_new_length_and_refuses_the_rest(tmp_
     assert files_of(tmp_path) == before
 
 
+def test_a_flag_given_at_its_usual_value_is_still_a_change_on_resume(tmp_path, data):
+    """--seed 0 or --dtype float32 asked for on resume of a run that had --seed 3 and float64: given, so
+    refused by name, though 0 and float32 are what a run takes when no flag and no recipe says."""
+    run(tmp_path, data, max_steps=4, seed=3, dtype="float64", mixup=0.2)
+    before = files_of(tmp_path)
+    with pytest.raises(ValueError, match=r"--mixup 0.0 \(the run's: 0.2\); --seed 0 \(the run's: 3\); "
+                                         r"--dtype 'float32' \(the run's: 'float64'\)"):
+        resume(tmp_path, data, seed=0, mixup=0.0, dtype="float32")
+    assert files_of(tmp_path) == before
+    again = resume(tmp_path, data, max_steps=6)                  # not given: the run's own
+    assert again.summary["train_config"]["seed"] == 3 and again.model.dtype == "float64"
+
+
 def test_a_torn_last_line_and_records_past_the_checkpoint_are_dropped_on_resume(tmp_path, data, capsys):
     run(tmp_path, data, max_steps=8, eval_every=4, callback=ctrl_c_at(4))
     metrics = tmp_path / "metrics.jsonl"

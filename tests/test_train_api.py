@@ -129,3 +129,17 @@ def test_fit_reports_a_diverged_run_instead_of_raising():
     r = common.fit(model, data, steps=20, batch_size=16, lr=1e6, warmup=0.0, clip=None, num_evals=20)
     assert r["diverged"] and r["final_test_acc"] is None and r["steps"] < 20
     assert r["curve"][-1] == {"step": r["steps"] + 1, "test_acc": None, "diverged": True}
+
+
+def test_a_recipe_sets_fields_that_have_a_usual_value():
+    """The long recipe's cutmix 1.0 and random erasing 0.25 are applied (they were once dropped because the
+    fields defaulted to 0.0, which looked given); a flag still overrides the recipe, and without either a
+    field takes minivit.train.BASE's value."""
+    from minivit.train import BASE, resolve
+
+    long = resolve(TrainConfig(recipe="long"))
+    assert (long.cutmix, long.random_erasing) == (1.0, 0.25)
+    assert resolve(TrainConfig(recipe="long", cutmix=0.0)).cutmix == 0.0
+    demo = resolve(TrainConfig(dataset="shapes"))
+    assert {k: getattr(demo, k) for k in BASE} == BASE
+
