@@ -136,14 +136,19 @@ def sigmoid(x):
     return xp.where(x >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
 
 
+def check_gelu(approximate):
+    """The GELU rule, one of GELU_KINDS: for gelu_forward, layers.GELU and ViTConfig.gelu alike."""
+    if approximate not in GELU_KINDS:
+        raise ValueError(f"gelu must be one of {GELU_KINDS}, got {approximate!r}")
+
+
 def gelu_forward(x, approximate="erf"):
     """erf:   gelu(x) = x * 0.5 * (1 + erf(x / sqrt 2))
     tanh:  gelu(x) = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
     quick: gelu(x) = x sigmoid(1.702 x)
     x: any shape. Returns (out, cache) with out of x's shape. The cache is x alone: backward computes
     Phi(x) (or t) again rather than keeping a second array of x's size, as PyTorch does."""
-    if approximate not in GELU_KINDS:
-        raise ValueError(f"GELU approximate must be one of {GELU_KINDS}, got {approximate!r}")
+    check_gelu(approximate)
     xp = get_array_module(x)
     if approximate == "erf":
         cdf = 0.5 * (1.0 + erf(x / _SQRT_2))                  # Phi(x)

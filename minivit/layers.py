@@ -180,19 +180,13 @@ class LayerNorm(Layer):
         return f"{self.dim}, eps={self.eps}"
 
 
-def check_gelu(approximate):
-    """The GELU rule, for the layer and for ViTConfig.gelu: one of functional.GELU_KINDS."""
-    if approximate not in F.GELU_KINDS:
-        raise ValueError(f"gelu must be one of {F.GELU_KINDS}, got {approximate!r}")
-
-
 class GELU(Layer):
     """gelu(x) = x Phi(x); approximate="erf" (exact, timm), "tanh" (the JAX checkpoints) or "quick"
     (x sigmoid(1.702 x), OpenAI's CLIP)."""
 
     def __init__(self, approximate="erf"):
         super().__init__()
-        check_gelu(approximate)
+        F.check_gelu(approximate)
         self.approximate = approximate
 
     def forward(self, x):

@@ -37,7 +37,7 @@ from . import functional as F
 from .backend import asarray, backend_of, host_rng, is_array, to_numpy
 from .conv import ConvStem, conv_output_size
 from .layers import (Block, Dropout, GridPosEmbed, Layer, LayerNorm, Linear, PatchEmbed, Pool, PosEmbed, PreLogits,
-                     check_gelu, check_num_heads, check_pool, check_pos_embed, resize_pos_embed)
+                     check_num_heads, check_pool, check_pos_embed, resize_pos_embed)
 
 DTYPES = ("float32", "float64")
 
@@ -121,7 +121,7 @@ class ViTConfig(ConfigDict):
         if not isinstance(self.qkv_bias, bool):
             raise TypeError(f"qkv_bias must be True or False, got {self.qkv_bias!r}")
         check_pool(self.pool)
-        check_gelu(self.gelu)
+        F.check_gelu(self.gelu)
         for name in ("drop_rate", "drop_path_rate"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)!r}")
