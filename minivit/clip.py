@@ -327,12 +327,7 @@ class CLIP(Layer):
 
     def forward(self, images, tokens):
         """images (B, H, W, C), tokens (B, L): pair i is image i with text i. Returns logits (B, B)."""
-        self.check_tokens(tokens)
-        if is_array(images) and images.ndim == 4 and images.shape[0] != tokens.shape[0]:
-            raise ValueError(f"got {images.shape[0]} images but {tokens.shape[0]} captions: pair i is image i "
-                             f"with caption i")
-        img = self.image_l2.forward(self.encode_image(images))        # (B, E) on the unit sphere
-        txt = self.text_l2.forward(self.text.forward(tokens))          # (B, E)
+        img, txt = self.features(images, tokens)                       # (B, E) each
         return self.similarity.forward(img, txt)                       # (B, B)
 
     def backward(self, dlogits):
@@ -340,6 +335,21 @@ class CLIP(Layer):
         if not is_array(dlogits) or dlogits.ndim != 2 or dlogits.shape[0] != dlogits.shape[1]:
             raise ValueError(f"dlogits must be a square array (B, B), got {getattr(dlogits, 'shape', type(dlogits))}")
         dimg, dtxt = self.similarity.backward(dlogits)                 # (B, E) each
+        return self.features_backward(dimg, dtxt)                      # (B, H, W, C)
+
+    def features(self, images, tokens):
+        """The normalised features of B pairs, I (B, E) and T (B, E), both towers' caches kept: forward
+        without the logits (several ranks make their logits against every rank's features)."""
+        self.check_tokens(tokens)
+        if is_array(images) and images.ndim == 4 and images.shape[0] != tokens.shape[0]:
+            raise ValueError(f"got {images.shape[0]} images but {tokens.shape[0]} captions: pair i is image i "
+                             f"with caption i")
+        img = self.image_l2.forward(self.encode_image(images))        # (B, E) on the unit sphere
+        txt = self.text_l2.forward(self.text.forward(tokens))          # (B, E)
+        return img, txt
+
+    def features_backward(self, dimg, dtxt):
+        """dimg, dtxt: (B, E), the loss's gradient for I and T. Adds the towers' gradients; returns d images."""
         self.text.backward(self.text_l2.backward(dtxt))
         return self.visual.backward(self.image_l2.backward(dimg))     # (B, H, W, C)
 

@@ -12,21 +12,28 @@ evaluation. One optimizer step (CLIPTask.train_step):
     clip_grad_norm(model, max_norm)                # optional
     optimizer.step(); model.clamp_logit_scale()    # logit_scale kept in [0, log 100]
 
+On R ranks (mpiexec) rank r takes its b = B / R pairs of the same global batch, and the loss still
+compares every image with all B captions: the features are all-gathered, each rank computes its b rows
+and b columns of the (B, B) logits, and the features' gradients go back to the ranks that made them
+(global_batch_backward). DataParallel then averages the gradients, clips by their global norm and
+steps, as for a classifier; the parameters equal one process's to rounding.
+
 An evaluation (CLIPTask.evaluate): val_acc is the zero-shot accuracy over all test images (the class
 names in the data set's templates, minivit.clip.zero_shot_classifier), also split into the colour-shape
 combinations seen in training and those held out; val_loss is the contrastive loss, and recall@1/@5 both
 ways, over the test pairs with distinct captions (the first pair of each caption), in batches of the
-training batch size.
+training batch size. On R ranks each encodes its share of the test images, the features are gathered,
+and every rank computes the same figures from all of them (recall@k ranks each pair against all others).
 """
 
 import dataclasses
 import math
 
 from . import augment as A
-from . import backend
+from . import backend, distributed
 from .captions import CAPTIONED_DATASETS, Tokenizer, batch_indices, caption_ids, load_captioned, tokenizer_for
 from .clip import (CLIP, CLIPConfig, contrastive_loss, encode_images, encode_texts, presets, retrieval_recall,
-                   zero_shot_classifier)
+                   similarity_backward, similarity_forward, zero_shot_classifier)
 from .optim import clip_grad_norm
 
 # The trainer's options CLIP's task has no use for, with the one value each may take (None: not given).
@@ -79,7 +86,8 @@ def build_model(cfg, data, resumed=None):
 
 class CLIPTask:
     """What a Run of --task clip needs beyond the classifier's: the tokens of every caption on the backend,
-    the batches, the step and the evaluation. run: train.Run, its data on the backend already."""
+    the batches, the step and the evaluation. run: train.Run, its data on the backend already (run.x_test:
+    this rank's share of the test images, all of them in one process); run.world, run.dp: its ranks."""
 
     # the figures of the last evaluation that summary.json repeats
     SUMMARY = ("zero_shot_accuracy", "zero_shot_seen", "zero_shot_held_out", "image_to_text@1", "text_to_image@1", "image_to_text@5",
@@ -105,30 +113,47 @@ class CLIPTask:
         self.pair_texts = list(first)                                     # their n captions
         held = set(data.held_out)
         seen = [k not in held for k in range(data.num_classes)]          # (K,)
-        self.seen = backend.asarray(seen, backend=on)[run.y_test]        # (N_test,) bool: a seen combination
+        self.y_test = backend.asarray(data.y_test, backend=on)           # (N_test,) every test label
+        self.seen = backend.asarray(seen, backend=on)[self.y_test]       # (N_test,) bool: a seen combination
 
     def batch(self, step):
-        """Images (B, H, W, C) float and tokens (B, L) of optimizer step `step`: a function of (seed, step)."""
+        """Images (B, H, W, C) float and tokens (B, L) of optimizer step `step`: a function of (seed, step).
+        On R ranks, rank r's rows [r b, (r + 1) b) of it: (b, H, W, C) and (b, L)."""
         run = self.run
-        idx = backend.asarray(batch_indices(step, run.cfg.batch_size, run.cfg.seed, self.ids),
-                              backend=run.model.backend)                                     # (B,)
+        idx = batch_indices(step, run.cfg.batch_size, run.cfg.seed, self.ids)                # (B,)
+        if run.world is not None:
+            idx = idx[distributed.local_slice(run.cfg.batch_size, run.world.rank, run.world.world_size)]  # (b,)
+        idx = backend.asarray(idx, backend=run.model.backend)
         x = A.normalize(run.x_train[idx], run.data.mean, run.data.std, run.cfg.dtype)      # (B, H, W, C)
         return x, self.tokens_train[idx]
 
     def train_step(self, x, tokens):
-        """One optimizer step on the pairs (x, tokens). Returns (loss, correct, grad_norm); correct counts
-        the images whose own caption has the highest logit in the batch."""
-        model, optimizer, cfg = self.run.model, self.run.optimizer, self.run.cfg
+        """One optimizer step on the pairs (x, tokens) (on R ranks: this rank's b pairs of the global batch).
+        Returns (loss, correct, grad_norm) of the global batch; correct counts the images whose own caption
+        has the highest logit in the batch."""
+        model, optimizer, cfg, dp = self.run.model, self.run.optimizer, self.run.cfg, self.run.dp
         xp = backend.get_array_module(x)
         model.zero_grad()
-        logits = model.forward(x, tokens)                                   # (B, B)
-        loss, dlogits = contrastive_loss(logits)                            # a float, (B, B)
-        model.backward(dlogits)
-        correct = int((logits.argmax(-1) == xp.arange(x.shape[0])).sum())
-        grad_norm = float(clip_grad_norm(model, cfg.clip_grad)) if cfg.clip_grad else None
+        if dp is None:                     # one process: the whole (B, B) logits
+            logits = model.forward(x, tokens)                               # (B, B)
+            loss, dlogits = contrastive_loss(logits)                        # a float, (B, B)
+            model.backward(dlogits)
+            labels = xp.arange(x.shape[0])                                  # (B,) the diagonal
+        else:                              # rank r: its rows of them, against every rank's features
+            loss, logits, labels = global_batch_backward(model, dp.comm, x, tokens)   # logits (b, B), labels (b,)
+            dp.average_gradients()                                          # g <- 1/R sum_r g_r
+        correct = int((logits.argmax(-1) == labels).sum())
+        if dp is not None:                 # the global batch's loss and count, the same on every rank
+            loss, correct = dp.batch_metrics(loss, correct)
+        grad_norm = None
+        if cfg.clip_grad:
+            grad_norm = float(clip_grad_norm(model, cfg.clip_grad) if dp is None else dp.clip_grad_norm(cfg.clip_grad))
         if not math.isfinite(loss):                                         # the trainer stops, saving nothing
             return loss, 0, float("nan")
-        optimizer.step()
+        if dp is None:
+            optimizer.step()
+        else:
+            dp.step()                      # ZeRO-1: this rank's shard, then an all-gather of all
         model.clamp_logit_scale()
         return loss, correct, grad_norm
 
@@ -139,10 +164,12 @@ class CLIPTask:
         run, model, data = self.run, self.run.model, self.run.data
         xp = backend.get_array_module(run.x_test)
         bs = run.cfg.eval_batch_size
-        images = _normalized(run.x_test, data, run.cfg.dtype, bs)                      # (N_test, H, W, C)
-        img = encode_images(model, images, bs)                                          # (N_test, E) normalised
+        images = _normalized(run.x_test, data, run.cfg.dtype, bs)                      # (n_r, H, W, C) this rank's
+        img = encode_images(model, images, bs)                                          # (n_r, E) normalised
+        if run.world is not None:                           # every rank's share, in test order
+            img = distributed.all_gather_shards(run.world, img, self.y_test.shape[0])  # (N_test, E)
         W = zero_shot_classifier(model, self.tokenizer, data.classnames, data.templates)  # (E, K)
-        right = (img @ W).argmax(-1) == run.y_test                                      # (N_test,)
+        right = (img @ W).argmax(-1) == self.y_test                                     # (N_test,)
         seen = self.seen
         more = {"zero_shot_accuracy": float(right.mean()), "zero_shot_seen": _mean(right[seen]),
                 "zero_shot_held_out": _mean(right[~seen])}
@@ -177,6 +204,38 @@ class CLIPTask:
             run.model.eval().forward(x, self.tokens_train[:2])
         finally:
             run.model.train(was)
+
+
+def global_batch_backward(model, comm, x, tokens):
+    """Rank r's forward and backward of the contrastive loss of the global batch of B = R b pairs, its
+    own b pairs x (b, H, W, C), tokens (b, L) (open_clip's local loss with gather_with_grad):
+
+        I_r, T_r = model.features(x, tokens)               (b, E) each, normalised
+        I, T = every rank's I_r, T_r, all-gathered         (B, E), the same on every rank
+        logits_img = s I_r T^T,  logits_txt = s T_r I^T    (b, B): rank r's rows, and columns, of s I T^T
+        L_r = (CE(logits_img, r b + arange b) + CE(logits_txt, r b + arange b)) / 2
+
+    The loss of the global batch is L = 1/R sum_q L_q (clip.contrastive_loss of the (B, B) logits). I_r
+    reaches sum_q L_q along two paths, rank r's logits_img and every rank's copy of it in I:
+        d(sum_q L_q)/dI_r = s dlogits_img T + rows [r b, (r + 1) b) of sum_q s dlogits_txt_q^T T_q
+    the sum over q a reduce-scatter (distributed.all_gather_rows_backward); T_r likewise. So the towers'
+    backward leaves in model.grads rank r's part of d(sum_q L_q)/dθ, logit_scale's too (its own rows'
+    sum(dlogits * logits)), and DataParallel.average_gradients, which sums the parts and divides by R,
+    gives dL/dθ. Returns (L_r as a float, logits_img (b, B), the labels (b,))."""
+    xp = backend.get_array_module(x)
+    I_r, T_r = model.features(x, tokens)                                 # (b, E) each
+    I, T = distributed.all_gather_rows(comm, I_r), distributed.all_gather_rows(comm, T_r)   # (B, E) each
+    logits_img, cache_img = similarity_forward(I_r, T, model.params["logit_scale"])   # (b, B)
+    logits_txt, cache_txt = similarity_forward(T_r, I, model.params["logit_scale"])   # (b, B)
+    loss, dlogits_img, dlogits_txt = distributed.contrastive_loss_rows(logits_img, logits_txt, comm.rank)
+    dI_r, dT, dscale_img = similarity_backward(dlogits_img, cache_img)  # (b, E), (B, E), ()
+    dT_r, dI, dscale_txt = similarity_backward(dlogits_txt, cache_txt)  # (b, E), (B, E), ()
+    dI_r = dI_r + distributed.all_gather_rows_backward(comm, dI)         # (b, E) + every rank's use of I_r
+    dT_r = dT_r + distributed.all_gather_rows_backward(comm, dT)         # (b, E) + every rank's use of T_r
+    model.grads["logit_scale"] += dscale_img + dscale_txt               # () d L_r / d logit_scale
+    model.features_backward(dI_r, dT_r)
+    b = x.shape[0]
+    return float(loss), logits_img, comm.rank * b + xp.arange(b)
 
 
 def _normalized(x, data, dtype, batch_size):

@@ -607,6 +607,23 @@ def all_gather_rows(comm, x):
     return out
 
 
+def all_gather_shards(comm, x, n):
+    """The whole (n, E) array from every rank's shard of it, x = rows shard_range(n, r, R) (uneven by one
+    at most), the same on every rank. Each shard is padded to k = ceil(n / R) rows, all_gather_rows
+    stacks them (R k, E), and the padding is cut out again. CLIP's evaluation gathers its test features."""
+    xp = get_array_module(x)
+    R = comm.world_size
+    k = -(-n // R)                                                             # rows of the largest shard
+    padded = xp.zeros((k,) + x.shape[1:], dtype=x.dtype)                       # (k, E)
+    padded[:x.shape[0]] = x
+    rows = all_gather_rows(comm, padded)                                       # (R k, E)
+    parts = []
+    for q in range(R):
+        start, stop = shard_range(n, q, R)
+        parts.append(rows[q * k:q * k + stop - start])                         # (n_q, E) rank q's rows
+    return xp.concatenate(parts)                                               # (n, E)
+
+
 def all_gather_rows_backward(comm, dout):
     """The gradient of all_gather_rows (open_clip's gather_with_grad): a reduce-scatter. Rank q's loss L_q
     used every rank's rows, so what reaches this rank's rows x_r is the sum of every rank's gradient for

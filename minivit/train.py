@@ -875,9 +875,6 @@ def set_up(cfg, model=None, data=None):
     if cfg.backend:
         backend.set_backend(cfg.backend)
     world = distributed.init()                      # None for one process (no mpiexec): nothing below changes
-    if world is not None and cfg.task == "clip":
-        raise ValueError("--task clip runs in one process: CLIP's loss compares every image of a batch with every "
-                         "caption of it, which slicing the batch over ranks would split")
     if world is not None:                           # each rank takes B / R images of every batch
         distributed.check_global_batch(cfg.batch_size, world.world_size, cfg.grad_accum)
         if world.rank != 0:                         # rank 0 alone shows the progress bar
@@ -1038,7 +1035,7 @@ def evaluate_and_save(run):
         more = {}
     else:                     # CLIP: val_acc is the zero-shot accuracy; more: its split, recall@1/@5, logit_scale
         val_loss, val_acc, more = run.task.evaluate()
-    if run.world is not None:                        # each rank evaluated its share: the means over the split
+    if run.world is not None and run.task is None:   # each rank evaluated its share: the means over the split
         val_loss, val_acc = distributed.mean_over_ranks(run.world, [val_loss, val_acc], run.x_test.shape[0])
     run.eval_seconds += time.perf_counter() - start
     bad = non_finite_params(run.model)

@@ -27,6 +27,7 @@ sys.path.insert(0, ROOT)   # the worker, started as a script, imports this check
 
 import minivit  # noqa: E402
 from minivit import distributed as dist  # noqa: E402
+from minivit.clip import presets  # noqa: E402
 from minivit.functional import cross_entropy  # noqa: E402
 from minivit.model import ViT, ViTConfig  # noqa: E402
 from minivit.optim import SGD, AdamW, clip_grad_norm, default_no_decay  # noqa: E402
@@ -285,6 +286,48 @@ def worker_trainer(comm, out):
         json.dump({"writes": writes, "refused": refused}, f)
 
 
+# CLIP through the trainer (--task clip): the same, the contrastive loss over the whole global batch
+CLIP_TRAIN = dict(task="clip", dataset="shapes", model="clip_shapes_tiny", dtype="float64", batch_size=8, max_steps=4,
+                  eval_every=2, lr=2e-3, min_lr=2e-3, warmup_steps=0, optimizer="adamw", weight_decay=0.1,
+                  progress=False, verbose=False)
+CLIP_RUNS = {   # name: the changes to CLIP_TRAIN; each runs on 2 ranks, and (but "half") in one process
+    "adamw": {},
+    # the clip binds at every step (the gradient norms are about 1.5 to 4), and SGD, unlike AdamW, moves in
+    # proportion to the gradient: a wrong factor on it would show
+    "sgd_clip": dict(optimizer="sgd", lr=0.05, min_lr=0.05, clip_grad=0.5),
+    "adamw_clip_zero": dict(clip_grad=0.5, zero=True),
+    "half": dict(max_steps=2),                      # 2 ranks, resumed below by one process to step 4 (= "adamw")
+    "resumed": dict(resume=True),                   # one process's 2 steps, resumed here by 2 ranks to step 4
+}
+
+
+def tiny_captioned():
+    """64 captioned training pairs and 9 test pairs of 16 x 16 (the ranks' evaluation shards: 5 and 4)."""
+    from minivit.captions import make_captioned_shapes
+
+    return make_captioned_shapes(num_train=64, num_test=9, seed=0, img_size=16)
+
+
+def clip_run(name, out, **changes):
+    """minivit.train.train of CLIP_RUNS[name] (and changes) into out/clip/NAME, in this process."""
+    from minivit.train import TrainConfig, train
+
+    cfg = TrainConfig(**{**CLIP_TRAIN, **CLIP_RUNS[name], "out": os.path.join(out, "clip", name), **changes})
+    return train(cfg, data=tiny_captioned())
+
+
+def worker_clip_trainer(comm, out):
+    """Every run of CLIP_RUNS through the trainer; each rank saves its final parameters, and the files it
+    wrote under clip/ (rank 1 should write none)."""
+    writes = watch_writes(os.path.join(out, "clip"))
+    for name in CLIP_RUNS:
+        result = clip_run(name, out)
+        params = {k: minivit.to_numpy(v) for k, v in result.model.params.items()}
+        np.savez(os.path.join(out, "results", f"clip_{name}.rank{comm.rank}.npz"), **params)
+    with open(os.path.join(out, "results", f"clip_rank{comm.rank}.json"), "w") as f:
+        json.dump({"writes": writes}, f)
+
+
 def worker_trainer_killed(comm, out):
     """Rank 1 is killed (SIGKILL) at the first evaluation; rank 0 would wait for it in the next step."""
     import signal
@@ -531,6 +574,72 @@ def test_trainer_rank_0_alone_writes_and_ranks_stay_in_step(trainer_runs):
         assert "the global batch size 9 must divide by the number of ranks 2" in refused
 
 
+@pytest.fixture(scope="module")
+def clip_runs(tmp_path_factory):
+    """One mpiexec -n 2 job running every run of CLIP_RUNS through minivit.train.train, and the same runs
+    in this process; before it, this process's first 2 steps of "resumed", which the job continues, and
+    after it, this process continues the job's "half" to step 4."""
+    if not HAVE_MPI:
+        pytest.skip(f"needs mpi4py and mpiexec: {dist.INSTALL}")
+    out, ref = tmp_path_factory.mktemp("clip_ranks"), str(tmp_path_factory.mktemp("clip_one"))
+    os.makedirs(out / "results")
+    clip_run("resumed", str(out), resume=False, max_steps=2)
+    run = mpiexec(2, ["tests/test_distributed.py", "clip_trainer", str(out)], timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    one = {name: clip_run(name, ref) for name in ("adamw", "sgd_clip", "adamw_clip_zero")}
+    half = clip_run("half", str(out), resume=True, max_steps=4)       # 2 ranks' 2 steps, then 1 process's 2
+    return out, ref, one, half
+
+
+CLIP_RECORDED = ("train_loss", "train_acc", "val_loss", "val_acc", "zero_shot_seen", "zero_shot_held_out",
+                 "image_to_text@1", "text_to_image@5", "logit_scale")
+
+
+@needs_mpi
+@pytest.mark.parametrize("name", ["adamw", "sgd_clip", "adamw_clip_zero"])
+def test_clip_trainer_on_two_ranks_equals_one_process(clip_runs, name):
+    """--task clip's 4 steps on 2 ranks x 4 pairs = 1 process x 8 pairs, in float64, every image a negative
+    of all 8 captions on both: the parameters (logit_scale on its own too: it is one number of thousands),
+    the optimizer state in the checkpoint, and every recorded figure (training, and the evaluation)."""
+    out, ref, one, _ = clip_runs
+    got = dict(np.load(out / "results" / f"clip_{name}.rank0.npz"))
+    reference = params_of(one[name])
+    assert max_rel(got, reference) < 1e-10
+    assert abs(got["logit_scale"] - reference["logit_scale"]) < 1e-10 * abs(reference["logit_scale"])
+    assert got["logit_scale"] != presets["clip_shapes_tiny"].init_logit_scale     # it was trained
+    other = dict(np.load(out / "results" / f"clip_{name}.rank1.npz"))
+    for k in got:                                   # rank 1 holds exactly rank 0's parameters
+        np.testing.assert_array_equal(other[k], got[k])
+    step, state = optimizer_state(out / "clip" / name)
+    ref_step, ref_state = optimizer_state(os.path.join(ref, "clip", name))
+    assert step == ref_step == 4 and len(state) == len(ref_state) > 0
+    assert max_rel(state, ref_state) < 1e-10
+    lines = [json.loads(line) for line in open(out / "clip" / name / "metrics.jsonl")]
+    assert [r["step"] for r in lines] == [r["step"] for r in one[name].history] == [2, 4]
+    for mine, theirs in zip(lines, one[name].history):
+        for key in CLIP_RECORDED:
+            assert abs(mine[key] - theirs[key]) <= 1e-10 * max(1.0, abs(theirs[key])), key
+    summary = json.load(open(out / "clip" / name / "summary.json"))
+    assert summary["world_size"] == 2 and summary["eval_pairs"] == one[name].summary["eval_pairs"]
+
+
+@needs_mpi
+def test_clip_trainer_resumes_with_another_number_of_ranks_and_rank_0_alone_writes(clip_runs):
+    """1 process for 2 steps then 2 ranks for 2, and 2 ranks then 1 process: both end as 4 uninterrupted
+    steps of one process. Rank 1 wrote no file."""
+    out, _, one, half = clip_runs
+    reference = params_of(one["adamw"])
+    assert max_rel(dict(np.load(out / "results" / "clip_resumed.rank0.npz")), reference) < 1e-10
+    assert half.summary["steps"] == 4 and max_rel(params_of(half), reference) < 1e-10
+    step, state = optimizer_state(out / "clip" / "resumed")
+    assert step == 4 and max_rel(state, optimizer_state(out / "clip" / "half")[1]) < 1e-10
+    assert json.load(open(out / "results" / "clip_rank1.json"))["writes"] == []
+    assert any(p.endswith("metrics.jsonl") for p in json.load(open(out / "results" / "clip_rank0.json"))["writes"])
+    for name in CLIP_RUNS:
+        for file in ("checkpoint.npz", "metrics.jsonl", "summary.json", "curves.png"):
+            assert (out / "clip" / name / file).exists(), (name, file)
+
+
 @needs_mpi
 def test_trainer_ends_when_a_rank_is_killed(tmp_path):
     """Rank 1 is killed mid-run: the job ends within seconds, with an error that says so."""
@@ -608,6 +717,8 @@ if __name__ == "__main__":
         worker_collectives(world, out_dir)
     elif scenario == "trainer":
         worker_trainer(world, out_dir)
+    elif scenario == "clip_trainer":
+        worker_clip_trainer(world, out_dir)
     elif scenario == "trainer_killed":
         worker_trainer_killed(world, out_dir)
     else:
