@@ -151,6 +151,9 @@ def worker_collectives(comm, out):
     mine = values[start:stop]
     results["eval_mean"] = dist.mean_over_ranks(comm, [float(mine.mean()), float((mine > 10).mean())],
                                                 stop - start)
+    # CLIP's evaluation: the ranks' uneven shards of test features (4 and 3 rows) gathered whole, in order
+    whole = np.arange(14.0).reshape(7, 2)                                          # (7, E)
+    results["shards_gathered"] = dist.all_gather_shards(comm, whole[start:stop].copy(), 7)
     # the loss scaler's overflow test: rank 1 alone overflows at its backward; both must skip the step
     from minivit.amp import LossScaler
 
@@ -438,6 +441,7 @@ def test_evaluation_overflow_and_contrastive_features(tmp_path):
     results = np.load(tmp_path / "collectives.npy", allow_pickle=True).item()
     values = np.arange(7.0) ** 2
     np.testing.assert_allclose(results["eval_mean"], [values.mean(), (values > 10).mean()], rtol=1e-14)
+    np.testing.assert_array_equal(results["shards_gathered"], np.arange(14.0).reshape(7, 2))
     # rank 1's overflow alone makes both ranks skip, with and without ZeRO
     assert not results["finite_zero0"] and not results["finite_zero1"]
     assert results["gathered_equal"]
