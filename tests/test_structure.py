@@ -35,8 +35,8 @@ LEVELS = [
     ("resnet", "clip"),             # models built on the ViT's parts: the CNN baseline, CLIP (branch clip)
     ("optim", "augment", "data", "download", "stats"),  # what training uses beside the model
     ("captions",),                  # captioned images for CLIP, built on data (branch clip)
-    ("clip_train",),                # CLIP's task for the trainer: its data, batches, step, evaluation (branch clip)
     ("checkpoint", "distributed"),  # the trainer's .npz files; data parallelism over MPI and NCCL
+    ("clip_train",),                # CLIP's task for the trainer: its data, batches, step (on R ranks too), evaluation
     ("convert",),                   # published checkpoints (timm, JAX) and from_pretrained: above the model
     ("viz", "plot"),                # pictures: attention maps and patches, training curves
     ("train", "predict", "check"),  # what a person runs: the trainer and the other command lines
