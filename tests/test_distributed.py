@@ -505,26 +505,36 @@ def optimizer_state(folder):
     return state["step"], flat_state(state)
 
 
+def assert_two_ranks_equal_one(out, ref, folder, name, prefix, one, recorded):
+    """The 2-rank run `name` (its results under out/results/<prefix><name>.rank{0,1}.npz, its run folder
+    out/<folder>/<name>) against the 1-process run `one` (a TrainResult, its folder ref/<folder>/<name>):
+    parameters, optimizer state and every recorded figure equal to 1e-10 in float64, rank 1's parameters
+    exactly rank 0's. Returns (rank 0's parameters, the 1-process run's)."""
+    got = dict(np.load(out / "results" / f"{prefix}{name}.rank0.npz"))
+    reference = params_of(one)
+    assert max_rel(got, reference) < 1e-10
+    other = dict(np.load(out / "results" / f"{prefix}{name}.rank1.npz"))
+    for k in got:                                   # rank 1 holds exactly rank 0's parameters
+        np.testing.assert_array_equal(other[k], got[k])
+    step, state = optimizer_state(out / folder / name)
+    ref_step, ref_state = optimizer_state(os.path.join(ref, folder, name))
+    assert step == ref_step == 4 and len(state) == len(ref_state) > 0
+    assert max_rel(state, ref_state) < 1e-10
+    lines = [json.loads(line) for line in open(out / folder / name / "metrics.jsonl")]
+    assert [r["step"] for r in lines] == [r["step"] for r in one.history] == [2, 4]
+    for mine, theirs in zip(lines, one.history):
+        for key in recorded:
+            assert abs(mine[key] - theirs[key]) <= 1e-10 * max(1.0, abs(theirs[key])), key
+    return got, reference
+
+
 @needs_mpi
 @pytest.mark.parametrize("name", ["adamw", "sgd_accum_clip", "adamw_accum_clip_zero"])
 def test_trainer_on_two_ranks_equals_one_process(trainer_runs, name):
     """The trainer's 4 steps on 2 ranks x 4 images = 1 process x 8 images, in float64: the parameters, the
     optimizer state in the checkpoint, and every recorded loss (training, and the sharded evaluation)."""
     out, ref, one, _ = trainer_runs
-    got = dict(np.load(out / "results" / f"{name}.rank0.npz"))
-    assert max_rel(got, params_of(one[name])) < 1e-10
-    other = dict(np.load(out / "results" / f"{name}.rank1.npz"))
-    for k in got:                                   # rank 1 holds exactly rank 0's parameters
-        np.testing.assert_array_equal(other[k], got[k])
-    step, state = optimizer_state(out / "runs" / name)
-    ref_step, ref_state = optimizer_state(os.path.join(ref, "runs", name))
-    assert step == ref_step == 4 and len(state) == len(ref_state) > 0
-    assert max_rel(state, ref_state) < 1e-10
-    lines = [json.loads(line) for line in open(out / "runs" / name / "metrics.jsonl")]
-    assert [r["step"] for r in lines] == [r["step"] for r in one[name].history] == [2, 4]
-    for mine, theirs in zip(lines, one[name].history):
-        for key in ("train_loss", "val_loss", "train_acc", "val_acc"):
-            assert abs(mine[key] - theirs[key]) <= 1e-10 * max(1.0, abs(theirs[key])), key
+    assert_two_ranks_equal_one(out, ref, "runs", name, "", one[name], ("train_loss", "val_loss", "train_acc", "val_acc"))
     summary = json.load(open(out / "runs" / name / "summary.json"))
     assert summary["world_size"] == 2 and one[name].summary["world_size"] == 1
 
@@ -606,23 +616,9 @@ def test_clip_trainer_on_two_ranks_equals_one_process(clip_runs, name):
     of all 8 captions on both: the parameters (logit_scale on its own too: it is one number of thousands),
     the optimizer state in the checkpoint, and every recorded figure (training, and the evaluation)."""
     out, ref, one, _ = clip_runs
-    got = dict(np.load(out / "results" / f"clip_{name}.rank0.npz"))
-    reference = params_of(one[name])
-    assert max_rel(got, reference) < 1e-10
+    got, reference = assert_two_ranks_equal_one(out, ref, "clip", name, "clip_", one[name], CLIP_RECORDED)
     assert abs(got["logit_scale"] - reference["logit_scale"]) < 1e-10 * abs(reference["logit_scale"])
     assert got["logit_scale"] != presets["clip_shapes_tiny"].init_logit_scale     # it was trained
-    other = dict(np.load(out / "results" / f"clip_{name}.rank1.npz"))
-    for k in got:                                   # rank 1 holds exactly rank 0's parameters
-        np.testing.assert_array_equal(other[k], got[k])
-    step, state = optimizer_state(out / "clip" / name)
-    ref_step, ref_state = optimizer_state(os.path.join(ref, "clip", name))
-    assert step == ref_step == 4 and len(state) == len(ref_state) > 0
-    assert max_rel(state, ref_state) < 1e-10
-    lines = [json.loads(line) for line in open(out / "clip" / name / "metrics.jsonl")]
-    assert [r["step"] for r in lines] == [r["step"] for r in one[name].history] == [2, 4]
-    for mine, theirs in zip(lines, one[name].history):
-        for key in CLIP_RECORDED:
-            assert abs(mine[key] - theirs[key]) <= 1e-10 * max(1.0, abs(theirs[key])), key
     summary = json.load(open(out / "clip" / name / "summary.json"))
     assert summary["world_size"] == 2 and summary["eval_pairs"] == one[name].summary["eval_pairs"]
 
