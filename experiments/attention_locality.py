@@ -6,7 +6,14 @@ head, on 128 test images. Lesson 9 quotes what these runs gave (none showed the 
     OMP_NUM_THREADS=1 python experiments/attention_locality.py --kind scatter --epochs 8 --qk-std 0.125
 
 --kind shapes: minivit's `shapes`; scatter: 3-5 small copies of the class shape per image, on a jittered
-3 x 3 grid (so that a patch's neighbours belong to its own object); many: 6-9 smaller copies.
+3 x 3 grid (so that a patch's neighbours belong to its own object); many: 6-9 smaller copies; lines: an
+8 x 8 grid of flat-coloured 4 x 4 tiles, equal along rows, columns, diagonals or anti-diagonals (4 classes:
+one tile says nothing, a tile and its neighbours say everything). The lines run is the one that showed the
+spread; it made lesson 9's second committed model (notebooks/assets/README.md):
+
+    OMP_NUM_THREADS=1 python experiments/attention_locality.py --kind lines --patch 4 --epochs 20 --evals 20 \
+        --augment none --qk-std 0.125 --save notebooks/assets/lines_vit.npz
+
 --qk-std: the std of the query and key weights at initialisation (timm's, and minivit's, is 0.02)."""
 import argparse
 import dataclasses
@@ -17,7 +24,7 @@ import numpy as np
 
 from minivit import augment as A
 from minivit import viz
-from minivit.data import SHAPES_CLASSES, Dataset, _draw_shape_images, _shape_mask, channel_mean_std, make_shapes
+from minivit.data import SHAPES_CLASSES, Dataset, _draw_shape_images, _shape_mask, channel_mean_std, make_lines, make_shapes
 from minivit.checkpoint import save_checkpoint
 from minivit.model import ViT, ViTConfig
 from minivit.train import TrainConfig, train
@@ -55,6 +62,12 @@ def draw_scatter(n, rng, S, count=(3, 5), radius=(0.10, 0.16), cells=3):
 
 
 def dataset(kind, S, seed=0, n_train=10000, n_test=2000):
+    if kind == "lines":
+        if S != 32:
+            raise ValueError(f"--kind lines draws 32 x 32 images (8 x 8 tiles of 4 x 4), got --S {S}")
+        # train() takes its recipe's defaults from the data set's name, and knows only its own sets:
+        # lines trains under shapes' recipe (every setting that matters is given below anyway)
+        return dataclasses.replace(make_lines(n_train, n_test, seed), name="shapes")
     if kind == "shapes":
         (xt, yt), (xv, yv) = make_shapes(n_train, n_test, seed, S)
     else:
@@ -95,7 +108,7 @@ def main():
     model = None
     if a.qk_std:
         model = ViT(ViTConfig(img_size=a.S, patch_size=a.patch, embed_dim=a.dim, depth=a.depth, num_heads=a.heads,
-                              mlp_ratio=2.0, num_classes=10, **({"pos_embed": a.pos} if a.pos else {})), seed=0)
+                              mlp_ratio=2.0, num_classes=data.num_classes, **({"pos_embed": a.pos} if a.pos else {})), seed=0)
         for i in range(a.depth):
             w = model.params[f"blocks.{i}.attn.qkv.weight"]
             w[:, :2 * a.dim] *= a.qk_std / 0.02
@@ -112,8 +125,14 @@ def main():
     print(json.dumps(dict(args=vars(a), acc=acc, secs=round(time.time() - t0), uniform=round(float(uni), 2),
                           per_block=np.round(d.mean(1), 2).tolist(), min_block=np.round(d.min(1), 2).tolist(),
                           max_block=np.round(d.max(1), 2).tolist(), heads=np.round(d, 1).tolist())))
-    if a.save:
-        save_checkpoint(a.save, model, None, {"acc": acc})
+    if a.save:                                                   # the weights and what a lesson needs to use them
+        command = "python experiments/attention_locality.py " + " ".join(
+            f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items() if v is not None)
+        save_checkpoint(a.save, model, None, {
+            "dataset": f"experiments/attention_locality.py --kind {a.kind}", "img_size": a.S, "kind": a.kind,
+            "test_accuracy": acc, "classes": list(data.classes), "mean": np.asarray(data.mean).tolist(),
+            "std": np.asarray(data.std).tolist(), "command": command,
+            "mean_attention_distance": np.round(d, 3).tolist(), "uniform_distance": float(uni)})
 
 
 if __name__ == "__main__":

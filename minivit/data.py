@@ -573,6 +573,41 @@ def _drawn_shapes(num_train, num_test, seed, img_size):
     return train, test
 
 
+# lines: a procedural 4-class set whose class is a relation between neighbouring patches (lesson 9)
+LINES_CLASSES = ("rows", "columns", "diagonals", "anti-diagonals")
+
+
+def _draw_lines(n, rng, grid=8, tile=4, noise=8.0):
+    """n images of grid x grid flat tiles of tile x tile pixels: every tile on one line of the class's
+    direction (row r, column c, diagonal r - c, anti-diagonal r + c) has that line's random colour, plus
+    pixel noise. A tile's colour alone is uniform in every class; a tile and its neighbours tell the class."""
+    labels = rng.permutation(numpy.arange(n) % 4)                    # (n,) balanced classes
+    r, c = numpy.mgrid[0:grid, 0:grid]                               # (g, g) each
+    line = numpy.stack([r, c, r - c + grid, r + c])                  # (4, g, g): which line a tile is on
+    colours = rng.uniform(0, 255, size=(n, 2 * grid + 1, 3))         # (n, lines, 3): one colour per line
+    tiles = colours[numpy.arange(n)[:, None, None], line[labels]]    # (n, g, g, 3)
+    img = numpy.repeat(numpy.repeat(tiles, tile, 1), tile, 2)        # (n, S, S, 3), S = g * tile
+    img = img + rng.normal(0, noise, size=img.shape)                 # (n, S, S, 3)
+    return numpy.clip(numpy.rint(img), 0, 255).astype(numpy.uint8), labels.astype(numpy.int64)
+
+
+def make_lines(num_train=10000, num_test=2000, seed=0):
+    """The `lines` set of lesson 9's second model: 32 x 32 RGB images, an 8 x 8 grid of 4 x 4 tiles, the
+    class the direction along which tiles are equal (LINES_CLASSES). With 4 x 4 patches each patch is one
+    tile, so no patch alone says anything: a model must compare a patch with its neighbours.
+    Returns a Dataset (mean and std from its training images); train and test from two streams of seed."""
+    for name, value in (("num_train", num_train), ("num_test", num_test), ("seed", seed)):
+        if not isinstance(value, (int, numpy.integer)) or isinstance(value, bool):
+            raise TypeError(f"{name} must be an int, got {value!r}")
+    if num_train < 1 or num_test < 1:
+        raise ValueError(f"num_train and num_test must be >= 1, got {num_train} and {num_test}")
+    train_seq, test_seq = numpy.random.SeedSequence(int(seed)).spawn(2)  # independent streams
+    x_train, y_train = _draw_lines(int(num_train), numpy.random.default_rng(train_seq))
+    x_test, y_test = _draw_lines(int(num_test), numpy.random.default_rng(test_seq))
+    mean, std = channel_mean_std(x_train)
+    return Dataset("lines", x_train, y_train, x_test, y_test, list(LINES_CLASSES), mean, std)
+
+
 # ---------------------------------------------------------------------------------------------------
 # The trainer's entry point
 # ---------------------------------------------------------------------------------------------------

@@ -464,6 +464,32 @@ def test_shapes_default_size_is_fast():
     assert elapsed < 3.0, f"make_shapes took {elapsed:.2f} s of CPU time for 12000 images"
 
 
+def test_lines_tiles_are_equal_along_the_class_direction_only():
+    """make_lines: balanced, deterministic; in each image the tiles are equal (up to noise) along its
+    class's lines and not along the other directions; a single tile's colour says nothing of the class."""
+    from minivit.data import LINES_CLASSES, make_lines
+
+    d = make_lines(400, 40, seed=1)
+    assert d.x_train.shape == (400, 32, 32, 3) and d.x_train.dtype == np.uint8 and d.num_classes == 4
+    assert d.classes == list(LINES_CLASSES) and np.bincount(d.y_train).tolist() == [100] * 4
+    assert np.array_equal(make_lines(400, 40, seed=1).x_test, d.x_test)
+    assert not np.array_equal(make_lines(400, 40, seed=2).x_test, d.x_test)
+    tiles = d.x_train.astype(float).reshape(400, 8, 4, 8, 4, 3).mean((2, 4))       # (n, 8, 8, 3) tile means
+    steps = [(0, 1), (1, 0), (1, 1), (1, -1)]                                       # along a row, column, ...
+    for k, (dr, dc) in enumerate(steps):
+        a = tiles[:, max(0, -dr):8 - max(0, dr), max(0, -dc):8 - max(0, dc)]
+        b = tiles[:, max(0, dr):8 + min(0, dr) or None, max(0, dc):8 + min(0, dc) or None]
+        gap = np.abs(a - b).mean((1, 2, 3))                                          # (n,) mean step difference
+        assert gap[d.y_train == k].max() < 5, LINES_CLASSES[k]                   # equal along its lines
+        assert gap[d.y_train != k].min() > 30, LINES_CLASSES[k]                  # not along the others
+    per_class = [tiles[d.y_train == k].mean() for k in range(4)]
+    assert np.ptp(per_class) < 6, per_class                                    # colours alike in every class
+    with pytest.raises(TypeError, match="num_train"):
+        make_lines(10.0)
+    with pytest.raises(ValueError, match="num_test"):
+        make_lines(10, 0)
+
+
 # ---------------------------------------------------------------------------------------------------
 # load_dataset and channel statistics
 # ---------------------------------------------------------------------------------------------------
