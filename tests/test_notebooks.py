@@ -59,6 +59,25 @@ def test_committed_notebook_is_small_clean_and_shaped_like_a_lesson(name):
     assert any("image/png" in o.get("data", {}) for c in code for o in c["outputs"]), f"{name} has no figure"
 
 
+ANSWERS_OPEN = "<details><summary><b>Short answers</b>"
+
+
+@pytest.mark.parametrize("name", LESSONS)
+def test_every_try_next_item_has_a_short_answer(name):
+    # the last cell holds the answers, collapsed, one bullet per item of "What to try next" just above it
+    cells = [_source(c) for c in _read(name)["cells"] if c["cell_type"] == "markdown"]
+    questions, answers = cells[-2], cells[-1]
+    assert "What to try next" in questions, f"{name}: 'What to try next' must come just before the answers"
+    assert answers.lstrip().startswith(ANSWERS_OPEN) and answers.rstrip().endswith("</details>"), \
+        f"{name}: end with the short answers in a collapsed <details> cell"
+    start = questions.index("What to try next")
+    items = re.findall(r"^\* ", questions[start:], re.M)
+    bullets = re.findall(r"^\* ", answers, re.M)
+    assert len(items) >= 1 and len(bullets) == len(items), \
+        f"{name}: {len(items)} items to try and {len(bullets)} answers; give one answer per item"
+    assert "TODO" not in answers, f"{name}: an answer is still a TODO"
+
+
 def test_the_index_lists_every_lesson():
     index = (NOTEBOOKS / "README.md").read_text(encoding="utf-8")
     for name in LESSONS:
