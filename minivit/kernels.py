@@ -421,25 +421,32 @@ def _softmax_lse(s, scale, lse):  # s: (R, N) raw scores q.k, in place -> p; lse
     R, N = s.shape
     for r in range(R):
         sr = s[r]
-        m = _row_max(sr) * scale                                          # scale > 0: max of scale q.k
+        m_raw = _row_max(sr)                                              # max_j q_i.k_j (scale > 0)
         for j in range(N):
-            sr[j] = _exp32(sr[j] * scale - m)
-        total = f32(0.0)
+            sr[j] = _exp32((sr[j] - m_raw) * scale)                       # subtract, then scale: the max's
+        total = f32(0.0)                                                  # own term is exp(0) = 1 at any size
+        for j in range(N):                                                # (scale q.k - scale max would let
+            total += sr[j]                                                #  an FMA leave a rounding error of
+        inv = f32(1.0) / total                                            #  the size of q.k in the exponent)
         for j in range(N):
+            sr[j] *= inv                                                  # p_ij
+        lse[r] = m_raw * scale + math.log(total)                          # log sum_j exp(scale q_i.k_j)
+
+
+@_in_thread
+def _softmax_lse_bwd(s, dp, scale):  # s: raw scores (R, N) -> p; dp: dL/dp (R, N) -> scale * dL/ds
+    R, N = s.shape
+    for r in range(R):
+        sr, dpr = s[r], dp[r]
+        m_raw = _row_max(sr)                                              # p_ij recomputed as the forward made
+        for j in range(N):                                                # it, from the scores alone (exp(scale
+            sr[j] = _exp32((sr[j] - m_raw) * scale)                       # q.k - lse) would cancel: at scores of
+        total = f32(0.0)                                                  # 1e6, lse's rounding alone is 0.1 in
+        for j in range(N):                                                # the exponent)
             total += sr[j]
         inv = f32(1.0) / total
         for j in range(N):
             sr[j] *= inv                                                  # p_ij
-        lse[r] = m + math.log(total)                                      # log sum_j exp(scale q_i.k_j)
-
-
-@_in_thread
-def _softmax_lse_bwd(s, dp, lse, scale):  # s: raw scores (R, N) -> p; dp: dL/dp (R, N) -> scale * dL/ds
-    R, N = s.shape
-    for r in range(R):
-        sr, dpr = s[r], dp[r]
-        for j in range(N):
-            sr[j] = _exp32(sr[j] * scale - lse[r])                        # p_ij, recomputed
         delta = f32(0.0)
         for j in range(N):
             delta += sr[j] * dpr[j]                                       # sum_j p_ij dp_ij
@@ -705,25 +712,30 @@ extern "C" __global__ void softmax_lse_fwd(T* s, T* lse, int n, T scale) {   // 
     extern __shared__ unsigned char smem[];
     T* buf = (T*)smem;
     long long base = (long long)blockIdx.x * n;
-    T m = s[base];
-    for (int i = threadIdx.x; i < n; i += blockDim.x) m = max(m, s[base + i]);
-    m = block_max(m, buf) * scale;                                 // scale > 0: the max of scale q.k
-    T total = 0;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) { T e = exp(s[base + i] * scale - m); s[base + i] = e; total += e; }
+    T m_raw = s[base];
+    for (int i = threadIdx.x; i < n; i += blockDim.x) m_raw = max(m_raw, s[base + i]);
+    m_raw = block_max(m_raw, buf);                                 // max_j q_i.k_j (scale > 0)
+    T total = 0;                                                   // subtract, then scale: exp(0) = 1 for the max
+    for (int i = threadIdx.x; i < n; i += blockDim.x) { T e = exp((s[base + i] - m_raw) * scale); s[base + i] = e; total += e; }
     total = block_sum(total, buf);
     T inv = (T)1 / total;
     for (int i = threadIdx.x; i < n; i += blockDim.x) s[base + i] *= inv;          // p_ij
-    if (threadIdx.x == 0) lse[blockIdx.x] = m + log(total);        // log sum_j exp(scale q_i.k_j)
+    if (threadIdx.x == 0) lse[blockIdx.x] = m_raw * scale + log(total);  // log sum_j exp(scale q_i.k_j)
 }
 
-extern "C" __global__ void softmax_lse_bwd(T* s, T* dp, const T* lse, int n, T scale) {  // s -> p, dp -> ds
+extern "C" __global__ void softmax_lse_bwd(T* s, T* dp, int n, T scale) {  // s -> p, dp -> ds
     extern __shared__ unsigned char smem[];
     T* buf = (T*)smem;
     long long base = (long long)blockIdx.x * n;
-    T l = lse[blockIdx.x];
+    T m_raw = s[base];                                             // p_ij recomputed as the forward made it,
+    for (int i = threadIdx.x; i < n; i += blockDim.x) m_raw = max(m_raw, s[base + i]);   // from the scores
+    m_raw = block_max(m_raw, buf);                                 // alone (exp(scale q.k - lse) would cancel)
+    T total = 0;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) { T e = exp((s[base + i] - m_raw) * scale); s[base + i] = e; total += e; }
+    T inv = (T)1 / block_sum(total, buf);
     T d = 0;
     for (int i = threadIdx.x; i < n; i += blockDim.x) {
-        T p = exp(s[base + i] * scale - l);                        // p_ij, recomputed
+        T p = s[base + i] * inv;                                   // p_ij
         s[base + i] = p;
         d += p * dp[base + i];
     }
@@ -811,10 +823,10 @@ def _gpu_softmax_lse(s, scale, lse):
     _launch_rows("softmax_lse_fwd", R, N, s.dtype, (s, lse, numpy.int32(N), s.dtype.type(scale)))
 
 
-def _gpu_softmax_lse_bwd(s, dp, lse, scale):
+def _gpu_softmax_lse_bwd(s, dp, scale):
     """_softmax_lse_bwd on the GPU: s (R, N) raw scores -> p; dp (R, N) dL/dp -> scale * dL/ds; contiguous."""
     R, N = s.shape
-    _launch_rows("softmax_lse_bwd", R, N, s.dtype, (s, dp, lse, numpy.int32(N), s.dtype.type(scale)))
+    _launch_rows("softmax_lse_bwd", R, N, s.dtype, (s, dp, numpy.int32(N), s.dtype.type(scale)))
 
 
 # ==================================================================================================
@@ -977,7 +989,7 @@ def _fused_attention_backward(dout, cache):
         if m is not None:
             s += m
         dp = matmul(dctx[c], v[c].swapaxes(-1, -2))              # (b, nh, N, N)  dL/dp = dctx v^T
-        softmax_lse_bwd(s.reshape(-1, N), dp.reshape(-1, N), lse[c].reshape(-1), scale)  # s -> p, dp -> ds
+        softmax_lse_bwd(s.reshape(-1, N), dp.reshape(-1, N), scale)  # s -> p, dp -> ds
         matmul(s.swapaxes(-1, -2), dctx[c], out=dv[c])           # dv = p^T dctx
         matmul(dp, k[c], out=dq[c])                              # dq = ds k
         matmul(dp.swapaxes(-1, -2), q[c], out=dk[c])             # dk = ds^T q

@@ -534,17 +534,20 @@ def _sm_bwd(dout, s, dx, n):
     _rows(dx, n)[...] = s2 * (d2 - (d2 * s2).sum(-1, keepdims=True))
 
 
-def _lse_fwd(s, lse, n, scale):
-    z = _rows(s, n) * scale
-    m = z.max(-1, keepdims=True)
-    e = numpy.exp(z - m)
+def _lse_weights(s, n, scale):
+    raw = _rows(s, n)
+    m = raw.max(-1, keepdims=True)
+    e = numpy.exp((raw - m) * scale)
     total = e.sum(-1, keepdims=True)
-    _rows(s, n)[...] = e / total
-    lse._a[...] = (m + numpy.log(total)).reshape(-1)
+    return e / total, m * scale + numpy.log(total)
 
 
-def _lse_bwd(s, dp, lse, n, scale):
-    p = numpy.exp(_rows(s, n) * scale - lse._a[:, None])
+def _lse_fwd(s, lse, n, scale):
+    _rows(s, n)[...], lse._a[...] = _lse_weights(s, n, scale)[0], _lse_weights(s, n, scale)[1].reshape(-1)
+
+
+def _lse_bwd(s, dp, n, scale):
+    p, _ = _lse_weights(s, n, scale)
     _rows(s, n)[...] = p
     d = _rows(dp, n)
     d[...] = p * (d - (p * d).sum(-1, keepdims=True)) * scale

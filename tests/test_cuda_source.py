@@ -206,5 +206,7 @@ def test_nvrtc_really_rejects_a_typo():
     """The compile tests can fail: a body with an undeclared name and a row source with a missing brace."""
     ok, log = nvrtc_compile("typedef float T;\n" + as_cupy_declares_it(0, "T x", "T y", "y = x * undeclared;"))
     assert not ok and "undeclared" in log
-    ok, _ = nvrtc_compile((kernels._ROW_SOURCE % {"T": "float"}).replace("T m = s[base];", "T m = s[base];{", 1))
+    source, line = kernels._ROW_SOURCE % {"T": "float"}, "T m_raw = s[base];"
+    assert line in source                                   # (else the brace below would go nowhere)
+    ok, _ = nvrtc_compile(source.replace(line, line + "{", 1))
     assert not ok
