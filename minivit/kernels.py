@@ -834,10 +834,12 @@ def _gpu_softmax_lse_bwd(s, dp, scale):
 # ==================================================================================================
 # The reference computes the scores q k^T / sqrt(hs) of the whole batch, (B, nh, N, N), and keeps their
 # softmax for the backward. Here the batch goes through in chunks of a few images, and only each row's
-# log-sum-exp (lse, B x nh x N values) is kept. The backward recomputes the weights from it,
-# p_ij = exp(s_ij - lse_i), inside its softmax-backward kernel, as FlashAttention does: one more q k^T
-# product, and no (B, nh, N, N) array held between the passes (PyTorch's scaled_dot_product_attention
-# makes the same trade).
+# log-sum-exp (lse, B x nh x N values, which ops.attention_weights reads) is kept. The backward recomputes
+# the weights inside its softmax-backward kernel: one more q k^T product, and no (B, nh, N, N) array held
+# between the passes (FlashAttention and PyTorch's scaled_dot_product_attention make the same trade). It
+# recomputes them from the scores alone, max, exp and sum as the forward did, rather than as
+# exp(scale s_ij - lse_i) as FlashAttention does: lse is rounded at the size of the scores, so at scores
+# of 1e6 that difference is off by ~0.1 in the exponent (10% in the weights), at 1e35 by 1e27 (NaN).
 #
 # One orchestration for both backends: the products are xp.matmul (NumPy's, i.e. BLAS; or CuPy's, i.e.
 # cuBLAS) on views of qkv, written into place with out=. Only the row kernel between them differs:

@@ -543,7 +543,9 @@ def _lse_weights(s, n, scale):
 
 
 def _lse_fwd(s, lse, n, scale):
-    _rows(s, n)[...], lse._a[...] = _lse_weights(s, n, scale)[0], _lse_weights(s, n, scale)[1].reshape(-1)
+    p, lse_rows = _lse_weights(s, n, scale)
+    _rows(s, n)[...] = p
+    lse._a[...] = lse_rows.reshape(-1)
 
 
 def _lse_bwd(s, dp, n, scale):
