@@ -416,20 +416,24 @@ def _softmax_backward_cpu(dout, s):
 # them between its matrix products; softmax_lse_fwd / softmax_lse_bwd in _ROW_SOURCE are the same two
 # for the GPU). Each overwrites a chunk's raw scores q.k, one row of N per query and head, with p.
 
+@_inline
+def _scaled_softmax_row(sr, scale):  # sr: (N,) raw scores q_i.k_j, in place -> p_ij; returns (max, total)
+    m_raw = _row_max(sr)                                                  # max_j q_i.k_j (scale > 0)
+    for j in range(sr.size):
+        sr[j] = _exp32((sr[j] - m_raw) * scale)                           # subtract, then scale: the max's
+    total = f32(0.0)                                                      # own term is exp(0) = 1 at any size
+    for j in range(sr.size):                                              # (scale q.k - scale max would let
+        total += sr[j]                                                    #  an FMA leave a rounding error of
+    inv = f32(1.0) / total                                                #  the size of q.k in the exponent)
+    for j in range(sr.size):
+        sr[j] *= inv                                                      # p_ij
+    return m_raw, total
+
+
 @_in_thread
 def _softmax_lse(s, scale, lse):  # s: (R, N) raw scores q.k, in place -> p; lse: (R,)
-    R, N = s.shape
-    for r in range(R):
-        sr = s[r]
-        m_raw = _row_max(sr)                                              # max_j q_i.k_j (scale > 0)
-        for j in range(N):
-            sr[j] = _exp32((sr[j] - m_raw) * scale)                       # subtract, then scale: the max's
-        total = f32(0.0)                                                  # own term is exp(0) = 1 at any size
-        for j in range(N):                                                # (scale q.k - scale max would let
-            total += sr[j]                                                #  an FMA leave a rounding error of
-        inv = f32(1.0) / total                                            #  the size of q.k in the exponent)
-        for j in range(N):
-            sr[j] *= inv                                                  # p_ij
+    for r in range(s.shape[0]):
+        m_raw, total = _scaled_softmax_row(s[r], scale)
         lse[r] = m_raw * scale + math.log(total)                          # log sum_j exp(scale q_i.k_j)
 
 
@@ -438,15 +442,9 @@ def _softmax_lse_bwd(s, dp, scale):  # s: raw scores (R, N) -> p; dp: dL/dp (R, 
     R, N = s.shape
     for r in range(R):
         sr, dpr = s[r], dp[r]
-        m_raw = _row_max(sr)                                              # p_ij recomputed as the forward made
-        for j in range(N):                                                # it, from the scores alone (exp(scale
-            sr[j] = _exp32((sr[j] - m_raw) * scale)                       # q.k - lse) would cancel: at scores of
-        total = f32(0.0)                                                  # 1e6, lse's rounding alone is 0.1 in
-        for j in range(N):                                                # the exponent)
-            total += sr[j]
-        inv = f32(1.0) / total
-        for j in range(N):
-            sr[j] *= inv                                                  # p_ij
+        # p_ij, recomputed as the forward made it, from the scores alone: exp(scale q.k - lse) would cancel
+        # (at scores of 1e6, lse's rounding alone is 0.1 in the exponent)
+        _scaled_softmax_row(sr, scale)
         delta = f32(0.0)
         for j in range(N):
             delta += sr[j] * dpr[j]                                       # sum_j p_ij dp_ij
