@@ -415,7 +415,6 @@ class _Stages(L.Layer):
         super().__init__()
         for name, layer in stages:
             self.add(name, layer)
-        self.gather()
 
     def forward(self, x):
         for layer in self.children.values():

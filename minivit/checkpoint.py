@@ -178,7 +178,12 @@ def load_model(path, backend=None):
     try:
         model.load_state_dict(ckpt["params"])
     except (TypeError, ValueError) as err:
-        raise ValueError(f"{path!r}: {err}") from None
+        hint = ""
+        if "unexpected keys" in str(err) or "missing keys" in str(err) or "mis-shaped" in str(err):
+            hint = (f"; a plain ViT of the saved config does not hold these parameters, so the checkpoint was "
+                    f"saved from a changed model: build that model as you did, then "
+                    f"model.load_state_dict(load_checkpoint({os.fspath(path)!r})['params'])")
+        raise ValueError(f"{path!r}: {err}{hint}") from None
     restore_dropout_rngs(model, meta.get("dropout_rng") or {})
     model.checkpoint_meta = meta.get("extra") or {}
     return model

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 from . import functional as F
 from .backend import asarray, backend_module, backend_of, get_array_module, host_rng, is_array, to_numpy
-from .layers import Block, Embedding, Layer, LayerNorm, Linear, PosEmbed, zeros
+from .layers import Block, Embedding, Layer, LayerList, LayerNorm, Linear, PosEmbed, zeros
 from .model import DTYPES, ConfigDict, ViT, ViTConfig, block_shapes
 
 # --------------------------------------------------------------------------------------------------
@@ -167,16 +167,14 @@ class TextTransformer(Layer):
         super().__init__()
         rng = host_rng(seed) if rng is None else rng
         self.vocab_size, self.context_length = vocab_size, context_length
-        self.token_embedding = self.add("token_embedding", Embedding(vocab_size, width, rng=rng, dtype=dtype))
+        self.token_embedding = Embedding(vocab_size, width, rng=rng, dtype=dtype)
         self.pos_embed = self.add("", PosEmbed(context_length, width, class_token=False, rng=rng, dtype=dtype))
-        self.blocks = []
+        self.blocks = LayerList(self, "blocks")
         for i in range(depth):
-            block = Block(width, num_heads, mlp_ratio, qkv_bias=True, gelu=gelu, eps=eps, rng=rng, dtype=dtype,
-                          seed=seed * 1000 + 10 * i)
-            self.blocks.append(self.add(f"blocks.{i}", block))
-        self.norm = self.add("norm", LayerNorm(width, eps=eps, dtype=dtype))
-        self.proj = self.add("proj", Linear(width, embed_dim, bias=False, rng=rng, dtype=dtype, std=width ** -0.5))
-        self.gather()
+            self.blocks.append(Block(width, num_heads, mlp_ratio, qkv_bias=True, gelu=gelu, eps=eps, rng=rng,
+                                     dtype=dtype, seed=seed * 1000 + 10 * i))
+        self.norm = LayerNorm(width, eps=eps, dtype=dtype)
+        self.proj = Linear(width, embed_dim, bias=False, rng=rng, dtype=dtype, std=width ** -0.5)
 
     def forward(self, tokens):                                # (B, L) int
         B, L = tokens.shape
@@ -291,14 +289,13 @@ class CLIP(Layer):
             raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
         self.config, self.dtype, self.seed = config, dtype, seed
         c = config
-        self.visual = self.add("visual", ViT(c.vision_config(), seed=seed, dtype=dtype))
-        self.text = self.add("text", TextTransformer(c.vocab_size, c.context_length, c.text_width, c.text_layers,
-                                                     c.text_heads, c.embed_dim, c.mlp_ratio, c.gelu, eps=1e-5,
-                                                     rng=host_rng([seed, 1]), dtype=dtype, seed=seed + 1))
-        self.image_l2 = self.add("image_l2", L2Normalize())
-        self.text_l2 = self.add("text_l2", L2Normalize())
+        self.visual = ViT(c.vision_config(), seed=seed, dtype=dtype)
+        self.text = TextTransformer(c.vocab_size, c.context_length, c.text_width, c.text_layers,
+                                    c.text_heads, c.embed_dim, c.mlp_ratio, c.gelu, eps=1e-5,
+                                    rng=host_rng([seed, 1]), dtype=dtype, seed=seed + 1)
+        self.image_l2 = L2Normalize()
+        self.text_l2 = L2Normalize()
         self.similarity = self.add("", Similarity(c.init_logit_scale, dtype=dtype))   # "logit_scale" at the top
-        self.gather()
 
     def check_tokens(self, tokens):
         """Refuse, before any work, tokens that are not int (B, L) ids below V."""

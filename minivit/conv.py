@@ -21,7 +21,7 @@ Letters in the shape comments (besides functional.py's B, H, W, C, D, N, K):
 import math
 
 from .backend import asarray, get_array_module, host_rng
-from .layers import Layer, Linear, ones, zeros
+from .layers import Layer, LayerList, Linear, ones, zeros
 
 # --------------------------------------------------------------------------------------------------
 # Convolution as one matrix multiply: im2col gathers every window into a row
@@ -271,11 +271,9 @@ class ConvNormAct(Layer):
 
     def __init__(self, in_chans, out_chans, kernel_size=3, stride=1, act=True, rng=None, dtype="float32"):
         super().__init__()
-        self.conv = self.add("conv", Conv2d(in_chans, out_chans, kernel_size, stride, bias=False, rng=rng,
-                                            dtype=dtype))
-        self.norm = self.add("norm", GroupNorm(groups_for(out_chans), out_chans, dtype=dtype))
-        self.act = self.add("act", ReLU()) if act else None
-        self.gather()
+        self.conv = Conv2d(in_chans, out_chans, kernel_size, stride, bias=False, rng=rng, dtype=dtype)
+        self.norm = GroupNorm(groups_for(out_chans), out_chans, dtype=dtype)
+        self.act = ReLU() if act else None
 
     def forward(self, x):                                   # (B, H, W, C)
         h = self.norm.forward(self.conv.forward(x))         # (B, Ho, Wo, Co)
@@ -313,14 +311,12 @@ class ConvStem(Layer):
     def __init__(self, in_chans, channels, embed_dim, rng=None, dtype="float32"):
         super().__init__()
         self.channels = tuple(channels)
-        self.stages = []
+        self.stages = LayerList(self, "stages")
         c_in = in_chans
         for i, c_out in enumerate(self.channels):
-            stage = ConvNormAct(c_in, c_out, 3, stride=1 if i == 0 else 2, rng=rng, dtype=dtype)
-            self.stages.append(self.add(f"stages.{i}", stage))
+            self.stages.append(ConvNormAct(c_in, c_out, 3, stride=1 if i == 0 else 2, rng=rng, dtype=dtype))
             c_in = c_out
-        self.proj = self.add("proj", Linear(c_in, embed_dim, rng=rng, dtype=dtype))
-        self.gather()
+        self.proj = Linear(c_in, embed_dim, rng=rng, dtype=dtype)
 
     def features(self, x):
         """The CNN's feature map (B, H/P, W/P, channels[-1]), before it is cut into tokens."""
@@ -359,17 +355,15 @@ class BasicBlock(Layer):
 
     def __init__(self, in_chans, out_chans, stride=1, rng=None, dtype="float32"):
         super().__init__()
-        self.conv1 = self.add("conv1", Conv2d(in_chans, out_chans, 3, stride, bias=False, rng=rng, dtype=dtype))
-        self.norm1 = self.add("norm1", GroupNorm(groups_for(out_chans), out_chans, dtype=dtype))
-        self.act1 = self.add("act1", ReLU())
-        self.conv2 = self.add("conv2", Conv2d(out_chans, out_chans, 3, 1, bias=False, rng=rng, dtype=dtype))
-        self.norm2 = self.add("norm2", GroupNorm(groups_for(out_chans), out_chans, dtype=dtype))
+        self.conv1 = Conv2d(in_chans, out_chans, 3, stride, bias=False, rng=rng, dtype=dtype)
+        self.norm1 = GroupNorm(groups_for(out_chans), out_chans, dtype=dtype)
+        self.act1 = ReLU()
+        self.conv2 = Conv2d(out_chans, out_chans, 3, 1, bias=False, rng=rng, dtype=dtype)
+        self.norm2 = GroupNorm(groups_for(out_chans), out_chans, dtype=dtype)
         self.shortcut = None
         if stride != 1 or in_chans != out_chans:
-            self.shortcut = self.add("shortcut", ConvNormAct(in_chans, out_chans, 1, stride, act=False, rng=rng,
-                                                             dtype=dtype))
-        self.act2 = self.add("act2", ReLU())
-        self.gather()
+            self.shortcut = ConvNormAct(in_chans, out_chans, 1, stride, act=False, rng=rng, dtype=dtype)
+        self.act2 = ReLU()
 
     def forward(self, x):                                                   # (B, H, W, C)
         h = self.act1.forward(self.norm1.forward(self.conv1.forward(x)))    # (B, Ho, Wo, Co)

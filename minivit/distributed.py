@@ -386,6 +386,11 @@ def seed_dropout(model, seed, step, rank):
 # --------------------------------------------------------------------------------------------------
 
 
+def _layout(params):
+    """What the flat buffers depend on: every parameter's name, shape and dtype, in order."""
+    return tuple((name, tuple(p.shape), str(p.dtype)) for name, p in params.items())
+
+
 class FlatBuffer:
     """One flat array holding a dict of arrays (a model's params or grads) end to end:
         flat = [a_0.ravel(), a_1.ravel(), ..., zeros]          (N,), N = n rounded up to a multiple of `pad`
@@ -444,14 +449,19 @@ class DataParallel:
 
     def __init__(self, comm, model, optimizer, zero=False):
         self.comm, self.model, self.optimizer, self.zero = comm, model, optimizer, bool(zero)
-        R = comm.world_size
-        self.grads = FlatBuffer(model.grads, pad=R if zero else 1)      # flat g (N,)
+        self._build()
+
+    def _build(self):
+        """The flat buffers (and ZeRO's shard) for the model's parameters as they stand now."""
+        model, optimizer, R = self.model, self.optimizer, self.comm.world_size
+        self.layout = _layout(model.params)
+        self.grads = FlatBuffer(model.grads, pad=R if self.zero else 1)   # flat g (N,)
         if not self.zero:
             return
         self.params = FlatBuffer(model.params, pad=R)                     # flat p (N,)
         xp = get_array_module(self.grads.flat)
         k = self.grads.flat.size // R                                     # values per shard
-        self.k, self.start = k, comm.rank * k                             # this shard: [start, start + k)
+        self.k, self.start = k, self.comm.rank * k                        # this shard: [start, start + k)
         self.g_shard = xp.zeros(k, dtype=self.grads.flat.dtype)           # (k,)
         self.p_shard = xp.zeros(k, dtype=self.params.flat.dtype)          # (k,)
         params, grads, self.segments = {}, {}, []
@@ -467,10 +477,23 @@ class DataParallel:
         self.shard_optimizer = type(optimizer)(self.shard, **hp, no_decay=optimizer.no_decay & set(params))
         self._take_optimizer_state()
 
+    def _follow_model(self):
+        """Rebuild the buffers when the model's parameters changed (a layer added, removed or replaced by one
+        of other shapes since the last step: model.params is live). Every rank runs the same code, so every
+        rank rebuilds at the same step. ZeRO gathers the optimizer's state first and re-shards it, so the
+        parameters that stayed keep theirs and a new one starts from zero, as with one process."""
+        if _layout(self.model.params) == self.layout:
+            return
+        if self.zero:
+            self.gather_optimizer_state()                                 # by the old layout, on every rank
+            self.optimizer._read_model()                                  # drops the state of what is gone
+        self._build()
+
     # -- the four parts of a step --------------------------------------------------------------------
 
     def average_gradients(self):
         """g <- 1/R sum_r g_r: into model.grads (plain), or into this rank's shard only (ZeRO)."""
+        self._follow_model()
         flat = self.grads.pack(self.model.grads)                          # (N,) this rank's g_r
         inv_R = flat.dtype.type(1.0 / self.comm.world_size)
         if self.zero:

@@ -1,9 +1,14 @@
 """The layers a student composes and modifies: thin classes over the pairs in functional.py.
 
 The contract every layer keeps:
-- ``params`` and ``grads`` are dicts with the same keys (timm's names, e.g. ``"weight"``, ``"bias"``;
-  a layer made of layers lists all of theirs under dotted names, ``"attn.qkv.weight"``). They hold the
-  live arrays: change parameters in place (``p -= lr * g``), never by rebinding a dict entry.
+- ``params`` and ``grads`` map names to arrays, with the same keys (timm's names, e.g. ``"weight"``,
+  ``"bias"``). A layer puts its own arrays there (``self.params["gamma"] = ...``, which also makes the
+  zeroed ``grads["gamma"]``) and its sublayers into attributes (``self.norm1 = LayerNorm(D)``, a list of
+  them in a LayerList); both views then list every array of the tree under dotted names
+  (``"attn.qkv.weight"``), read from the layers each time, so they are never stale: replace a sublayer
+  (``blk.norm1 = RMSNorm(D)``, ``model.blocks[3] = MyBlock(...)``) or add a parameter, and the optimizers,
+  ``state_dict``, ``num_params``, ``to``, ``zero_grad`` and data parallel use it with no other call.
+  Change parameters in place (``p -= lr * g``), never by rebinding an entry.
 - ``forward(x)`` returns the output and, in training mode, keeps in ``self.cache`` what backward needs.
   In eval mode (``layer.eval()``) it keeps nothing, so inference holds no activations.
 - ``backward(dout)`` returns the gradient with respect to the input and ADDS the parameter gradients
@@ -16,9 +21,11 @@ has checked against functional.py as it stands (so an edit there is what runs). 
 layer's forward or backward here, or in a layer class of your own, is what runs.
 """
 
+from collections.abc import MutableMapping
+
 from . import functional as F
 from . import kernels, ops
-from .backend import asarray, backend_module, backend_of, get_array_module, host_rng
+from .backend import asarray, backend_module, backend_of, get_array_module, host_rng, is_array
 
 
 def trunc_normal(rng, shape, std, dtype):
@@ -42,35 +49,190 @@ def ones(shape, dtype):
     return backend_module().ones(shape, dtype=dtype)
 
 
+class Parameters(MutableMapping):
+    """A layer's ``params`` (or ``grads``), live: its own arrays first, then every sublayer's under its
+    dotted name ("attn.qkv.weight"), read from the layers each time it is used. Nothing is copied or
+    cached, so the view cannot go stale: a parameter put into any layer, a sublayer swapped in, a block
+    replaced in ``model.blocks`` is in ``model.params`` at once, and so in what the optimizers train,
+    ``state_dict`` saves, ``num_params`` counts, ``to`` moves and ``zero_grad`` zeroes.
+
+    Writing ``layer.params[name] = array`` puts the array into the layer that owns ``name`` (a sublayer's,
+    for a dotted name), and gives a new parameter its gradient buffer (zeros, same shape) when it has none."""
+
+    def __init__(self, layer, kind):
+        self._layer, self._kind = layer, kind        # kind: "params" or "grads"
+
+    def _own(self, layer=None):
+        return (layer or self._layer).__dict__["_" + self._kind]
+
+    def _locate(self, name):
+        """(the dict that holds name, its key there), or None: own arrays first, then each sublayer's."""
+        layer = self._layer
+        while True:
+            own = self._own(layer)
+            if name in own:
+                return own, name
+            for prefix, child in layer.children.items():
+                if not prefix:                       # registered with an empty prefix: its names are ours
+                    found = Parameters(child, self._kind)._locate(name)
+                    if found:
+                        return found
+                elif name.startswith(prefix + "."):
+                    found = Parameters(child, self._kind)._locate(name[len(prefix) + 1:])
+                    if found:
+                        return found
+            return None
+
+    def _walk(self, layer, prefix):
+        """(full name, array) for every array, own first, then each sublayer's in order."""
+        for key, value in self._own(layer).items():
+            yield prefix + key, value
+        for name, child in layer.children.items():
+            yield from self._walk(child, f"{prefix}{name}." if name else prefix)
+
+    def _flat(self):
+        flat = {}
+        for name, value in self._walk(self._layer, ""):
+            if name in flat:
+                raise ValueError(f"two {self._kind} of {type(self._layer).__name__} are both named {name!r} "
+                                 f"(a layer's own array and a sublayer's): rename one")
+            flat[name] = value
+        return flat
+
+    def __getitem__(self, name):
+        found = self._locate(name) if isinstance(name, str) else None
+        if found is None:
+            raise KeyError(name)
+        store, key = found
+        return store[key]
+
+    def __setitem__(self, name, value):
+        if not is_array(value):
+            raise TypeError(f"{type(self._layer).__name__}.{self._kind}[{name!r}] must be a numpy or cupy array, "
+                            f"got {type(value).__name__}")
+        found = self._locate(name) if isinstance(name, str) else None
+        if found is not None:                        # an existing array, here or in a sublayer: rebind it there
+            store, key = found
+            store[key] = value
+            return
+        if not isinstance(name, str) or not name or "." in name:
+            raise ValueError(f"a layer's own {self._kind} are named without dots (the dots separate sublayers), "
+                             f"got {name!r}")
+        self._own()[name] = value                    # a new array of this layer
+        grads = self._layer.__dict__["_grads"]
+        if self._kind == "params" and (name not in grads or grads[name].shape != value.shape):
+            grads[name] = get_array_module(value).zeros_like(value)   # its gradient buffer, zeroed
+
+    def __delitem__(self, name):
+        found = self._locate(name) if isinstance(name, str) else None
+        if found is None:
+            raise KeyError(name)
+        store, key = found
+        del store[key]
+        if self._kind == "params":                   # a parameter goes with its gradient
+            Parameters(self._layer, "grads").pop(name, None)
+
+    def __iter__(self):
+        return iter(self._flat())
+
+    def __len__(self):
+        return len(self._flat())
+
+    def __contains__(self, name):
+        return isinstance(name, str) and self._locate(name) is not None
+
+    def keys(self):
+        return self._flat().keys()
+
+    def values(self):
+        return self._flat().values()
+
+    def items(self):
+        return self._flat().items()
+
+    def __eq__(self, other):
+        return dict(self.items()) == other if isinstance(other, dict) else NotImplemented
+
+    def __repr__(self):
+        return "{" + ", ".join(f"{k!r}: {tuple(v.shape)}" for k, v in self.items()) + "}"
+
+
 class Layer:
     """Base class: parameter bookkeeping, train/eval mode and moving between backends.
 
-    A leaf layer puts its own arrays in ``self.params`` / ``self.grads``. A composite layer registers
-    its parts with ``add(name, layer)`` and ``gather()`` then lists their arrays under dotted names.
+    A layer puts its own arrays in ``self.params`` / ``self.grads`` (a leaf's "weight", a composite's own
+    "gamma"), and its sublayers into attributes (``self.norm1 = LayerNorm(D)``): a Layer put into an
+    attribute is registered under the attribute's name, and one put into an attribute that held a
+    sublayer takes that sublayer's place and name. ``add(name, layer)`` registers under another name
+    (the ViT's PosEmbed goes under "" so that its "cls_token" is a top-level name, as in timm).
+    ``params`` and ``grads`` are then live views of the whole tree (class Parameters above).
     """
 
     def __init__(self):
-        self.params = {}      # name -> parameter array
-        self.grads = {}       # name -> gradient array, same shape, filled by backward
+        object.__setattr__(self, "children", {})   # name -> sub-layer, in forward order
+        self._params = {}     # this layer's own parameter arrays, name -> array
+        self._grads = {}      # name -> gradient array, same shape, filled by backward
         self.cache = None     # what backward needs, set by forward in training mode
         self.training = True
-        self.children = {}    # name prefix -> sub-layer, for composite layers
+
+    @property
+    def params(self):
+        """name -> parameter array, this layer's and every sublayer's (live: see class Parameters)."""
+        if "_params" not in self.__dict__:
+            raise RuntimeError(f"{type(self).__name__}.__init__ must call super().__init__() before using params")
+        return Parameters(self, "params")
+
+    @params.setter
+    def params(self, arrays):
+        self.__dict__["_params"] = {}
+        view = self.params
+        for name, value in dict(arrays).items():
+            view[name] = value
+
+    @property
+    def grads(self):
+        """name -> gradient array, the same names and shapes as params (live)."""
+        if "_grads" not in self.__dict__:
+            raise RuntimeError(f"{type(self).__name__}.__init__ must call super().__init__() before using grads")
+        return Parameters(self, "grads")
+
+    @grads.setter
+    def grads(self, arrays):
+        self.__dict__["_grads"] = {}
+        view = self.grads
+        for name, value in dict(arrays).items():
+            view[name] = value
+
+    def __setattr__(self, name, value):
+        children = self.__dict__.get("children")
+        if children is not None and name != "children":
+            old = self.__dict__.get(name)
+            slot = next((k for k, c in children.items() if c is old), None) if isinstance(old, Layer) else None
+            if isinstance(value, Layer):
+                if slot is not None:
+                    children[slot] = value           # swapped in: the new layer takes the old one's name
+                elif not any(c is value for c in children.values()):
+                    children[name] = value           # a new sublayer, named after the attribute
+            elif value is None and slot is not None:
+                del children[slot]                   # `self.norm_pre = None` removes the sublayer
+        object.__setattr__(self, name, value)
 
     def add(self, name, layer):
+        """Register layer under name (its arrays are then listed as "name.weight"...) and return it. A layer
+        already registered under name is replaced, and every attribute that held it now holds the new one."""
+        if not isinstance(name, str):
+            raise TypeError(f"a sublayer's name must be a str, got {name!r}")
+        if not isinstance(layer, Layer):
+            raise TypeError(f"add({name!r}, ...) takes a minivit Layer, got {type(layer).__name__}")
+        old = self.children.get(name)
         self.children[name] = layer
+        if old is not None and old is not layer:
+            for attr, value in list(self.__dict__.items()):
+                if value is old:
+                    object.__setattr__(self, attr, layer)
+                elif isinstance(value, LayerList):
+                    value._replace_in_place(old, layer)
         return layer
-
-    def gather(self):
-        """Rebuild params/grads of a composite layer from its children (same array objects)."""
-        if not self.children:
-            return
-        self.params, self.grads = {}, {}
-        for name, child in self.children.items():
-            child.gather()
-            prefix = f"{name}." if name else ""
-            for key in child.params:
-                self.params[prefix + key] = child.params[key]
-                self.grads[prefix + key] = child.grads[key]
 
     def named_sublayers(self, prefix=""):
         """(name, layer) for this layer and every layer inside it, depth first: the one walk over a model
@@ -103,11 +265,9 @@ class Layer:
         """Move every parameter and gradient to 'numpy' or 'cupy' (caches are dropped)."""
         for child in self.children.values():
             child.to(backend)
-        if not self.children:
-            self.params = {k: asarray(v, backend=backend) for k, v in self.params.items()}
-            self.grads = {k: asarray(v, backend=backend) for k, v in self.grads.items()}
+        for kind in ("_params", "_grads"):
+            self.__dict__[kind] = {k: asarray(v, backend=backend) for k, v in self.__dict__[kind].items()}
         self.cache = None
-        self.gather()
         return self
 
     def _need_cache(self):
@@ -121,6 +281,59 @@ class Layer:
 
     def extra_repr(self):
         return ""
+
+
+class LayerList(list):
+    """A list of sublayers that stays registered: ``model.blocks``. Its layers are the owner's sublayers
+    "blocks.0", "blocks.1", ... in list order, and every change to the list (``model.blocks[1] = MyBlock(...)``,
+    append, insert, del, pop) renames and re-registers them, so model.params follows at once."""
+
+    def __init__(self, owner, prefix, layers=()):
+        super().__init__(layers)
+        self.owner, self.prefix = owner, prefix
+        self._sync()
+
+    def __reduce_ex__(self, protocol):        # copy/deepcopy/pickle: rebuilt with its owner, no sync needed
+        return _rebuild_layer_list, (self.owner, self.prefix, list(self))
+
+    def _sync(self):
+        """Make the owner's children "prefix.i" the list's layers, where the old ones stood in the order."""
+        for i, layer in enumerate(self):
+            if not isinstance(layer, Layer):
+                raise TypeError(f"{self.prefix}[{i}] must be a minivit Layer, got {type(layer).__name__}")
+        children, start = self.owner.children, self.prefix + "."
+        old = list(children.items())
+        at = next((i for i, (k, _) in enumerate(old) if k.startswith(start)), len(old))
+        kept = [(k, v) for k, v in old if not k.startswith(start)]
+        at = sum(1 for k, _ in old[:at] if not k.startswith(start))
+        mine = [(f"{start}{i}", layer) for i, layer in enumerate(self)]
+        children.clear()
+        children.update(kept[:at] + mine + kept[at:])
+
+    def _replace_in_place(self, old, new):
+        for i, layer in enumerate(self):
+            if layer is old:
+                list.__setitem__(self, i, new)
+
+    def _changed(method):
+        def changed(self, *args, **kwargs):
+            result = getattr(list, method)(self, *args, **kwargs)
+            self._sync()
+            return result
+        changed.__name__ = method
+        return changed
+
+    for _method in ("__setitem__", "__delitem__", "__iadd__", "append", "extend", "insert", "pop", "remove",
+                    "clear", "reverse", "sort"):
+        locals()[_method] = _changed(_method)
+    del _method, _changed
+
+
+def _rebuild_layer_list(owner, prefix, layers):
+    rebuilt = LayerList.__new__(LayerList)
+    list.extend(rebuilt, layers)
+    rebuilt.owner, rebuilt.prefix = owner, prefix
+    return rebuilt
 
 
 class Linear(Layer):
@@ -245,11 +458,10 @@ class MLP(Layer):
 
     def __init__(self, dim, hidden_dim, gelu="erf", drop=0.0, rng=None, dtype="float32", seed=0):
         super().__init__()
-        self.fc1 = self.add("fc1", Linear(dim, hidden_dim, rng=rng, dtype=dtype))
-        self.act = self.add("act", GELU(gelu))
-        self.fc2 = self.add("fc2", Linear(hidden_dim, dim, rng=rng, dtype=dtype))
-        self.drop = self.add("drop", Dropout(drop, seed=seed))
-        self.gather()
+        self.fc1 = Linear(dim, hidden_dim, rng=rng, dtype=dtype)
+        self.act = GELU(gelu)
+        self.fc2 = Linear(hidden_dim, dim, rng=rng, dtype=dtype)
+        self.drop = Dropout(drop, seed=seed)
 
     def forward(self, x):                        # (B, N, D)
         h = self.act.forward(self.fc1.forward(x))  # (B, N, M)
@@ -276,10 +488,9 @@ class Attention(Layer):
         super().__init__()
         check_num_heads(dim, num_heads)
         self.num_heads = num_heads
-        self.qkv = self.add("qkv", Linear(dim, 3 * dim, bias=qkv_bias, rng=rng, dtype=dtype))
-        self.proj = self.add("proj", Linear(dim, dim, rng=rng, dtype=dtype))
-        self.drop = self.add("drop", Dropout(drop, seed=seed))
-        self.gather()
+        self.qkv = Linear(dim, 3 * dim, bias=qkv_bias, rng=rng, dtype=dtype)
+        self.proj = Linear(dim, dim, rng=rng, dtype=dtype)
+        self.drop = Dropout(drop, seed=seed)
 
     def forward(self, x, mask=None):                                 # (B, N, D)
         qkv = self.qkv.forward(x)                                    # (B, N, 3D)
@@ -309,9 +520,7 @@ class PatchEmbed(Layer):
     def __init__(self, img_size, patch_size, in_chans, embed_dim, bias=True, rng=None, dtype="float32"):
         super().__init__()
         self.img_size, self.patch_size, self.in_chans = tuple(img_size), patch_size, in_chans
-        self.proj = self.add("proj", Linear(patch_size * patch_size * in_chans, embed_dim, bias=bias, rng=rng,
-                                            dtype=dtype))
-        self.gather()
+        self.proj = Linear(patch_size * patch_size * in_chans, embed_dim, bias=bias, rng=rng, dtype=dtype)
 
     def forward(self, x):                                    # (B, H, W, C)
         patches = F.im2patch(x, self.patch_size)             # (B, N, P*P*C)
@@ -511,13 +720,12 @@ class Block(Layer):
     def __init__(self, dim, num_heads, mlp_ratio=4.0, qkv_bias=True, gelu="erf", drop=0.0, drop_path=0.0,
                  rng=None, dtype="float32", seed=0, eps=1e-6):
         super().__init__()
-        self.norm1 = self.add("norm1", LayerNorm(dim, eps=eps, dtype=dtype))
-        self.attn = self.add("attn", Attention(dim, num_heads, qkv_bias, drop, rng=rng, dtype=dtype, seed=seed))
-        self.norm2 = self.add("norm2", LayerNorm(dim, eps=eps, dtype=dtype))
-        self.mlp = self.add("mlp", MLP(dim, int(dim * mlp_ratio), gelu, drop, rng=rng, dtype=dtype, seed=seed + 1))
-        self.drop_path1 = self.add("drop_path1", Dropout(drop_path, per_sample=True, seed=seed + 2))
-        self.drop_path2 = self.add("drop_path2", Dropout(drop_path, per_sample=True, seed=seed + 3))
-        self.gather()
+        self.norm1 = LayerNorm(dim, eps=eps, dtype=dtype)
+        self.attn = Attention(dim, num_heads, qkv_bias, drop, rng=rng, dtype=dtype, seed=seed)
+        self.norm2 = LayerNorm(dim, eps=eps, dtype=dtype)
+        self.mlp = MLP(dim, int(dim * mlp_ratio), gelu, drop, rng=rng, dtype=dtype, seed=seed + 1)
+        self.drop_path1 = Dropout(drop_path, per_sample=True, seed=seed + 2)
+        self.drop_path2 = Dropout(drop_path, per_sample=True, seed=seed + 3)
 
     def forward(self, x, mask=None):                                         # (B, N, D)
         h = self.norm1.forward(x)
@@ -612,9 +820,8 @@ class PreLogits(Layer):
 
     def __init__(self, dim, representation_size, rng=None, dtype="float32"):
         super().__init__()
-        self.fc = self.add("fc", Linear(dim, representation_size, rng=rng, dtype=dtype))
-        self.act = self.add("act", Tanh())
-        self.gather()
+        self.fc = Linear(dim, representation_size, rng=rng, dtype=dtype)
+        self.act = Tanh()
 
     def forward(self, x):                        # (B, D)
         return self.act.forward(self.fc.forward(x))   # (B, R)

@@ -36,8 +36,8 @@ from dataclasses import dataclass
 from . import functional as F
 from .backend import asarray, backend_of, host_rng, is_array, to_numpy
 from .conv import ConvStem, conv_output_size
-from .layers import (Block, Dropout, GridPosEmbed, Layer, LayerNorm, Linear, PatchEmbed, Pool, PosEmbed, PreLogits,
-                     check_num_heads, check_pool, check_pos_embed, resize_pos_embed)
+from .layers import (Block, Dropout, GridPosEmbed, Layer, LayerList, LayerNorm, Linear, PatchEmbed, Pool, PosEmbed,
+                     PreLogits, check_num_heads, check_pool, check_pos_embed, resize_pos_embed)
 
 DTYPES = ("float32", "float64")
 
@@ -391,12 +391,10 @@ class ViT(Classifier):
         c = config
         rng = host_rng(seed)
         if c.stem == "conv":   # the hybrid (§3.1): a CNN's feature map, cut into 1x1 patches
-            self.patch_embed = self.add("patch_embed", ConvStem(c.in_chans, c.stem_channels, c.embed_dim,
-                                                                rng=rng, dtype=dtype))
+            self.patch_embed = ConvStem(c.in_chans, c.stem_channels, c.embed_dim, rng=rng, dtype=dtype)
         else:
-            self.patch_embed = self.add("patch_embed", PatchEmbed(c.img_size, c.patch_size, c.in_chans,
-                                                                  c.embed_dim, bias=c.patch_bias, rng=rng,
-                                                                  dtype=dtype))
+            self.patch_embed = PatchEmbed(c.img_size, c.patch_size, c.in_chans, c.embed_dim, bias=c.patch_bias,
+                                          rng=rng, dtype=dtype)
         # cls_token and pos_embed are top-level names in timm: registered with an empty prefix
         if c.pos_embed == "learned":
             self.pos_embed = self.add("", PosEmbed(c.num_patches, c.embed_dim, class_token=c.pool == "cls",
@@ -404,25 +402,22 @@ class ViT(Classifier):
         else:                  # learned2d, sincos2d or none (App. D.4)
             self.pos_embed = self.add("", GridPosEmbed(c.grid_size, c.embed_dim, c.pos_embed,
                                                        class_token=c.pool == "cls", rng=rng, dtype=dtype))
-        self.pos_drop = self.add("pos_drop", Dropout(c.drop_rate, seed=seed * 1000 + 999))
+        self.pos_drop = Dropout(c.drop_rate, seed=seed * 1000 + 999)
         self.norm_pre = None
         if c.pre_norm:
-            self.norm_pre = self.add("norm_pre", LayerNorm(c.embed_dim, eps=c.norm_eps, dtype=dtype))
-        self.blocks = []
+            self.norm_pre = LayerNorm(c.embed_dim, eps=c.norm_eps, dtype=dtype)
+        self.blocks = LayerList(self, "blocks")    # "blocks.0", "blocks.1", ...: replace one with blocks[i] = ...
         for i in range(c.depth):
             drop_path = c.drop_path_rate * i / max(c.depth - 1, 1)   # linear rule of stochastic depth
-            block = Block(c.embed_dim, c.num_heads, c.mlp_ratio, c.qkv_bias, c.gelu, c.drop_rate, drop_path,
-                          rng=rng, dtype=dtype, seed=seed * 1000 + 10 * i, eps=c.norm_eps)
-            self.blocks.append(self.add(f"blocks.{i}", block))
-        self.norm = self.add("norm", LayerNorm(c.embed_dim, eps=c.norm_eps, dtype=dtype))
-        self.pool = self.add("pool", Pool(c.pool))
+            self.blocks.append(Block(c.embed_dim, c.num_heads, c.mlp_ratio, c.qkv_bias, c.gelu, c.drop_rate,
+                                     drop_path, rng=rng, dtype=dtype, seed=seed * 1000 + 10 * i, eps=c.norm_eps))
+        self.norm = LayerNorm(c.embed_dim, eps=c.norm_eps, dtype=dtype)
+        self.pool = Pool(c.pool)
         self.pre_logits = None
         if c.representation_size is not None:
-            self.pre_logits = self.add("pre_logits", PreLogits(c.embed_dim, c.representation_size,
-                                                               rng=rng, dtype=dtype))
+            self.pre_logits = PreLogits(c.embed_dim, c.representation_size, rng=rng, dtype=dtype)
         head_in = c.embed_dim if c.representation_size is None else c.representation_size
-        self.head = self.add("head", Linear(head_in, c.num_classes, bias=c.head_bias, rng=rng, dtype=dtype))
-        self.gather()
+        self.head = Linear(head_in, c.num_classes, bias=c.head_bias, rng=rng, dtype=dtype)
 
     def stages(self):
         """(name, layer) in forward order; backward runs them in reverse."""

@@ -2,7 +2,8 @@
 
 A model is anything with two dicts of the same keys: ``model.params`` (name -> array) and
 ``model.grads`` (name -> array of the same shape). The optimizers re-read both on every ``step()``
-(the model may have been moved to another device since the last one) and update each parameter
+(the model may have been moved to another device, or a layer added or replaced, since the last one) and
+update each parameter
 IN PLACE, so the arrays the layers hold are the ones that change.
 
 The update rules are exactly PyTorch's (torch.optim.SGD with dampening=0, torch.optim.AdamW), which
@@ -52,10 +53,10 @@ def _check_no_decay(no_decay, params):
 
 def default_no_decay(params):
     """The names the trainer exempts from weight decay: every 1-D array (biases, LayerNorm weights)
-    plus the class token and every position embedding (pos_embed, pos_embed_row, pos_embed_col).
+    plus the class token, the register tokens and every position embedding (pos_embed, pos_embed_row, pos_embed_col).
     params: dict name -> array. Returns a set of names."""
     return {name for name, p in params.items()
-            if p.ndim <= 1 or name.endswith("cls_token") or "pos_embed" in name.rsplit(".", 1)[-1]}
+            if p.ndim <= 1 or name.endswith(("cls_token", "reg_token")) or "pos_embed" in name.rsplit(".", 1)[-1]}
 
 
 def _params_and_grads(model):
@@ -103,6 +104,17 @@ class Optimizer:
 
     def step(self):
         raise NotImplementedError
+
+    def _read_model(self):
+        """model.params and model.grads as the model stands now (they are live: a layer added or swapped
+        since the last step is in them). Buffers of parameters that are gone are dropped, and a buffer whose
+        parameter changed shape (its layer was replaced by a different one) starts again from zero."""
+        params, grads = _params_and_grads(self.model)
+        for bufs in self.buffers.values():
+            for name in [n for n, b in bufs.items() if n not in params or b.shape != params[n].shape]:
+                del bufs[name]
+        self.no_decay = self.no_decay & frozenset(params)
+        return params, grads
 
     def state_dict(self):
         """Everything needed to resume: host NumPy copies of the buffers, the step count, the
@@ -182,7 +194,7 @@ class SGD(Optimizer):
 
     def step(self):
         """Update every parameter in place from its current gradient (gradients are not modified)."""
-        params, grads = _params_and_grads(self.model)
+        params, grads = self._read_model()
         bufs = self.buffers["momentum_buffer"]
         self.t += 1
         for name, p in params.items():
@@ -223,7 +235,7 @@ class AdamW(Optimizer):
 
     def step(self):
         """Update every parameter in place from its current gradient (gradients are not modified)."""
-        params, grads = _params_and_grads(self.model)
+        params, grads = self._read_model()
         ms, vs = self.buffers["exp_avg"], self.buffers["exp_avg_sq"]
         b1, b2 = self.betas
         self.t += 1

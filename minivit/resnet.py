@@ -99,18 +99,16 @@ class ResNet(Classifier):
         self.config, self.dtype, self.seed = config, dtype, seed
         c = config
         rng = host_rng(seed)
-        self.stem = self.add("stem", ConvNormAct(c.in_chans, c.widths[0], 3, 1, rng=rng, dtype=dtype))
-        self.blocks = []
+        self.stem = ConvNormAct(c.in_chans, c.widths[0], 3, 1, rng=rng, dtype=dtype)
         names = [f"stages.{s}.{b}" for s, depth in enumerate(c.depths) for b in range(depth)]
         for name, (c_in, c_out, stride) in zip(names, c.blocks()):
-            self.blocks.append((name, self.add(name, BasicBlock(c_in, c_out, stride, rng=rng, dtype=dtype))))
-        self.pool = self.add("pool", GlobalAvgPool())
-        self.head = self.add("head", Linear(c.widths[-1], c.num_classes, rng=rng, dtype=dtype))
-        self.gather()
+            self.add(name, BasicBlock(c_in, c_out, stride, rng=rng, dtype=dtype))
+        self.pool = GlobalAvgPool()
+        self.head = Linear(c.widths[-1], c.num_classes, rng=rng, dtype=dtype)
 
     def stages(self):
-        """(name, layer) in forward order; backward runs them in reverse."""
-        return [("stem", self.stem)] + self.blocks + [("pool", self.pool), ("head", self.head)]
+        """(name, layer) in forward order, as registered now; backward runs them in reverse."""
+        return list(self.children.items())
 
     def check_input(self, x):
         C = self.config.in_chans

@@ -29,6 +29,7 @@ import minivit  # noqa: E402
 from minivit import distributed as dist  # noqa: E402
 from minivit.clip import presets  # noqa: E402
 from minivit.functional import cross_entropy  # noqa: E402
+from minivit.layers import Block  # noqa: E402
 from minivit.model import ViT, ViTConfig  # noqa: E402
 from minivit.optim import SGD, AdamW, clip_grad_norm, default_no_decay  # noqa: E402
 
@@ -40,13 +41,23 @@ needs_mpi = pytest.mark.skipif(not HAVE_MPI, reason=f"needs mpi4py and mpiexec: 
 B = 8   # the global batch: 4 images per rank on 2 ranks
 CONFIG = ViTConfig(img_size=8, patch_size=4, in_chans=3, num_classes=3, embed_dim=16, depth=2, num_heads=2,
                    mlp_ratio=2.0)
-LOOPS = {   # name: (optimizer, grad_accum, clip, zero)
-    "adamw": ("adamw", 1, None, False),
-    "adamw_accum_clip": ("adamw", 2, 0.05, False),
-    "sgd_accum_clip": ("sgd", 2, 0.05, False),
-    "zero_adamw_accum_clip": ("adamw", 2, 0.05, True),
-    "zero_sgd": ("sgd", 1, None, True),
+LOOPS = {   # name: (optimizer, grad_accum, clip, zero, change the architecture after step 1)
+    "adamw": ("adamw", 1, None, False, False),
+    "adamw_accum_clip": ("adamw", 2, 0.05, False, False),
+    "sgd_accum_clip": ("sgd", 2, 0.05, False, False),
+    "zero_adamw_accum_clip": ("adamw", 2, 0.05, True, False),
+    "zero_sgd": ("sgd", 1, None, True, False),
+    "adamw_changed": ("adamw", 1, None, False, True),
+    "zero_adamw_changed": ("adamw", 2, 0.05, True, True),
 }
+
+
+def change_architecture(model):
+    """What a student does between two steps: replace a block by a wider one and add a third block. The
+    model's parameters change names and shapes; data parallel must follow with no call."""
+    wide = Block(CONFIG.embed_dim, CONFIG.num_heads, mlp_ratio=3.0, dtype="float64", seed=11)
+    model.blocks[1] = wide
+    model.blocks.append(Block(CONFIG.embed_dim, CONFIG.num_heads, mlp_ratio=2.0, dtype="float64", seed=12))
 
 
 def env(**extra):
@@ -83,7 +94,7 @@ def global_batch(step):
     return x, y
 
 
-def hand_loop(comm, optimizer_name, grad_accum, clip, zero, steps=3):
+def hand_loop(comm, optimizer_name, grad_accum, clip, zero, change=False, steps=3):
     """`steps` optimizer steps in float64. comm=None: one process on the whole batch, as the trainer does;
     otherwise this rank's slice and a DataParallel. Returns (params, optimizer state, grad norms)."""
     model = ViT(CONFIG, seed=0, dtype="float64")
@@ -95,6 +106,8 @@ def hand_loop(comm, optimizer_name, grad_accum, clip, zero, steps=3):
     dp = None if comm is None else dist.DataParallel(comm, model, optimizer, zero=zero)
     norms = []
     for step in range(steps):
+        if change and step == 2:
+            change_architecture(model)
         optimizer.lr = optimizer.lr * 0.9             # a schedule: the ZeRO shard must follow it
         x, y = global_batch(step)
         if comm is not None:
@@ -132,8 +145,8 @@ def flat_state(state):
 
 def worker_loops(comm, out):
     """Every loop of LOOPS; rank 0 saves the results, rank 1 its parameters (to show they are the same)."""
-    for name, (opt, accum, clip, zero) in LOOPS.items():
-        params, state, norms = hand_loop(comm, opt, accum, clip, zero)
+    for name, (opt, accum, clip, zero, change) in LOOPS.items():
+        params, state, norms = hand_loop(comm, opt, accum, clip, zero, change)
         if comm.rank <= 1:
             arrays = {f"param/{k}": v for k, v in params.items()}
             arrays.update({f"state/{k}": v for k, v in flat_state(state).items()})
@@ -397,8 +410,10 @@ def loops_run(tmp_path_factory):
 @pytest.mark.parametrize("name", list(LOOPS))
 def test_two_ranks_equal_one_process(loops_run, name):
     """Parameters and optimizer state after 3 steps of 2 ranks x 4 images = 1 process x 8, in float64."""
-    opt, accum, clip, zero = LOOPS[name]
-    params, state, norms = hand_loop(None, opt, accum, clip, zero)
+    opt, accum, clip, zero, change = LOOPS[name]
+    params, state, norms = hand_loop(None, opt, accum, clip, zero, change)
+    if change:                             # the new and widened block are trained and in the state
+        assert "blocks.2.mlp.fc1.weight" in params and params["blocks.1.mlp.fc1.weight"].shape == (16, 48)
     got = dict(np.load(loops_run / f"{name}.rank0.npz"))
     assert int(got["t"]) == state["step"] == 3
     got_params = {k[len("param/"):]: v for k, v in got.items() if k.startswith("param/")}
