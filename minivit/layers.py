@@ -370,8 +370,10 @@ class PosEmbed(Layer):
         self.grads["pos_embed"] = zeros((1, seq_len, embed_dim), dtype)
 
     def forward(self, x):                                        # (B, N, D)
-        z, cache = prepend_tokens_forward(x, self.params.get("cls_token"), self.params.get("reg_token"))
-        self.cache = cache if self.training else None           # (B, 1+nr+N, D) above
+        cls_token = self.params["cls_token"] if self.class_token else None      # (1, 1, D)
+        reg_token = self.params["reg_token"] if self.num_registers else None    # (1, nr, D)
+        z, cache = prepend_tokens_forward(x, cls_token, reg_token)
+        self.cache = cache if self.training else None
         return z + self.params["pos_embed"]                      # (B, 1+nr+N, D)
 
     def backward(self, dout):                                    # (B, 1+nr+N, D)
@@ -508,7 +510,9 @@ class GridPosEmbed(Layer):
         pos = self.pos_table()                                   # (1, N, D) or None
         if pos is not None:
             x = x + pos                                          # (B, N, D)
-        z, cache = prepend_tokens_forward(x, self.params.get("cls_token"), self.params.get("reg_token"))
+        cls_token = self.params["cls_token"] if self.class_token else None      # (1, 1, D)
+        reg_token = self.params["reg_token"] if self.num_registers else None    # (1, nr, D)
+        z, cache = prepend_tokens_forward(x, cls_token, reg_token)
         self.cache = cache if self.training else None
         return z                                                 # (B, 1+nr+N, D), or without the 1: GAP
 
@@ -634,7 +638,8 @@ class Pool(Layer):
         return dx
 
     def extra_repr(self):
-        return repr(self.mode) + (f", num_prefix_tokens={self.num_prefix_tokens}" if self.num_prefix_tokens else "")
+        skip = self.mode == "gap" and self.num_prefix_tokens        # only the mean skips the prefix
+        return repr(self.mode) + (f", num_prefix_tokens={self.num_prefix_tokens}" if skip else "")
 
 
 class Tanh(Layer):
