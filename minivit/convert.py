@@ -107,6 +107,8 @@ def timm_kwargs(config):
                   num_heads=config.num_heads, mlp_ratio=config.mlp_ratio, qkv_bias=config.qkv_bias,
                   class_token=config.pool == "cls", global_pool="token" if config.pool == "cls" else "avg",
                   fc_norm=False)
+    if getattr(config, "num_registers", 0):
+        kwargs["reg_tokens"] = config.num_registers   # reg_token (1, nr, D); pos_embed covers them (no_embed_class=False)
     if config.pre_norm != (not config.patch_bias):
         raise ValueError(f"timm drops the patch projection's bias exactly when pre_norm is on (as CLIP does); "
                          f"pre_norm={config.pre_norm} with patch_bias={config.patch_bias} has no timm equivalent")
@@ -213,7 +215,15 @@ def from_timm_checkpoint(state_dict, num_heads=None, img_size=None, gelu=None, n
     if "pos_embed" not in sd or len(sd["pos_embed"].shape) != 3:
         raise ValueError(f"{what} needs pos_embed (1, N+1, D), got "
                          f"{tuple(sd['pos_embed'].shape) if 'pos_embed' in sd else 'none'}")
-    num_patches = sd["pos_embed"].shape[1] - (1 if class_token else 0)
+    num_registers = tuple(sd["reg_token"].shape)[1] if "reg_token" in sd else 0      # (1, nr, D)
+    num_prefix = (1 if class_token else 0) + num_registers
+    num_patches = sd["pos_embed"].shape[1] - num_prefix
+    if num_prefix and img_size is None and math.isqrt(num_patches) ** 2 != num_patches \
+            and math.isqrt(num_patches + num_prefix) ** 2 == num_patches + num_prefix:
+        raise ValueError(f"{what}: pos_embed {tuple(sd['pos_embed'].shape)} has rows for the patches only, not "
+                         f"for the {num_prefix} class/register token(s) before them (timm's no_embed_class=True, "
+                         f"as DINOv2 and DeiT III): minivit's learned pos_embed covers every token "
+                         f"(no_embed_class=False) and cannot load it")
     H, W = _grid(num_patches, img_size, P, what)
     R = tuple(sd["pre_logits.fc.weight"].shape)[0] if "pre_logits.fc.weight" in sd else None
     K = tuple(sd["head.weight"].shape)[0] if "head.weight" in sd else None
@@ -224,7 +234,7 @@ def from_timm_checkpoint(state_dict, num_heads=None, img_size=None, gelu=None, n
     config = ViTConfig(img_size=(H, W), patch_size=P, in_chans=C, num_classes=K or num_classes or 1,
                        embed_dim=D, depth=depth, num_heads=num_heads, mlp_ratio=_mlp_ratio(M, D, what),
                        pool="cls" if class_token else "gap", qkv_bias="blocks.0.attn.qkv.bias" in sd,
-                       gelu=gelu, representation_size=R if K else None)
+                       gelu=gelu, representation_size=R if K else None, num_registers=num_registers)
     state = from_timm(sd)
     shapes = param_shapes(config)
     if K is None:  # a headless checkpoint (timm's num_classes=0): the head comes from new_head below
@@ -242,6 +252,9 @@ def from_timm_checkpoint(state_dict, num_heads=None, img_size=None, gelu=None, n
 def google_shapes(config):
     """name -> shape of every array in the JAX release's .npz for a config: the layout, as a table."""
     c = config
+    if c.num_registers:
+        raise ValueError(f"the JAX release's ViT layout has no register tokens: num_registers={c.num_registers} "
+                         f"has no such file (timm's layout has them: to_timm)")
     D, M, P, C, nh = c.embed_dim, c.mlp_dim, c.patch_size, c.in_chans, c.num_heads
     hs = D // nh
     shapes = {"embedding/kernel": (P, P, C, D), "embedding/bias": (D,)}
@@ -382,6 +395,7 @@ def to_google_npz(state_dict, config, path=None):
     if c.stem != "patch" or c.pos_embed != "learned":
         raise ValueError(f"the JAX release's ViT layout has the patch stem and learned 1-D position embeddings; "
                          f"got stem={c.stem!r}, pos_embed={c.pos_embed!r}")
+    google_shapes(c)   # refuses what the layout cannot hold (register tokens)
     _check_arrays("the state dict", state_dict, param_shapes(c))
     sd = {k: _as_numpy(v) for k, v in state_dict.items()}
     D, P, C, nh = c.embed_dim, c.patch_size, c.in_chans, c.num_heads
@@ -443,7 +457,7 @@ def resize_state_dict(config, state, img_size):
         raise ValueError(f"only the learned 1-D table (pos_embed='learned') is resized for another patch grid; "
                          f"this checkpoint has pos_embed={config.pos_embed!r}")
     state = dict(state)
-    T = 1 if config.pool == "cls" else 0
+    T = config.num_prefix_tokens          # the class token's and the registers' rows, kept as they are
     state["pos_embed"] = resize_pos_embed(_as_numpy(state["pos_embed"]), config.grid_size, new_config.grid_size, T)
     return new_config, state
 

@@ -10,7 +10,7 @@ Letters used in every shape comment (the paper's and timm's names):
     P   patch size (P x P pixels)       N         tokens (patches, plus 1 for the class token)
     D   embedding dim (embed_dim)       M         MLP hidden dim (mlp_ratio * D)
     nh  attention heads (num_heads)     hs        head size, D // nh
-    K   classes (num_classes)
+    K   classes (num_classes)       nr        register tokens (num_registers), after the class token
 
 No numpy import here: ``xp = get_array_module(x)`` is numpy or cupy, whichever x lives in.
 

@@ -531,37 +531,69 @@ class PatchEmbed(Layer):
         return F.patch2im(dpatches, self.patch_size, self.img_size)  # (B, H, W, C)
 
 
+def prepend_tokens_forward(x, cls_token, reg_token):
+    """z = [x_class; reg_1 .. reg_nr; x]: the learned prefix tokens, the same for every image, put before
+    the patch tokens in timm's order. x: (B, N, D); cls_token (1, 1, D) or None; reg_token (1, nr, D) or
+    None (no registers). Returns z (B, T + N, D), T = 1 + nr prefix tokens (nr without the class token)."""
+    xp = get_array_module(x)
+    B, _, D = x.shape
+    prefix = [xp.broadcast_to(t, (B, t.shape[1], D)) for t in (cls_token, reg_token) if t is not None]
+    z = xp.concatenate(prefix + [x], axis=1) if prefix else x    # (B, T + N, D)
+    return z, (cls_token is not None, 0 if reg_token is None else reg_token.shape[1])
+
+
+def prepend_tokens_backward(dz, cache):
+    """dz: (B, T + N, D). Each prefix token is one vector shared by the B images, so its gradient is its
+    rows of dz summed over the batch; the rest of dz is the patch tokens'. Returns dx (B, N, D),
+    dcls_token (1, 1, D) or None, dreg_token (1, nr, D) or None."""
+    has_cls, nr = cache
+    T = int(has_cls) + nr
+    dcls_token = dz[:, :1].sum(0, keepdims=True) if has_cls else None                   # (1, 1, D)
+    dreg_token = dz[:, T - nr:T].sum(0, keepdims=True) if nr else None                   # (1, nr, D)
+    return dz[:, T:], dcls_token, dreg_token                                             # (B, N, D)
+
+
 class PosEmbed(Layer):
     """Paper Eq. 1, second part: prepend the learned class token, add learned 1-D position embeddings.
-    (B, N, D) -> (B, N+1, D); with class_token=False (GAP models) (B, N, D) -> (B, N, D)."""
+    (B, N, D) -> (B, N+1, D); with class_token=False (GAP models) (B, N, D) -> (B, N, D).
 
-    def __init__(self, num_patches, embed_dim, class_token=True, rng=None, dtype="float32"):
+    num_registers=nr puts nr learned register tokens (Darcet et al., "Vision Transformers Need Registers",
+    ICLR 2024) after the class token, timm's layout: reg_token (1, nr, D), the sequence
+    [x_class; reg_1 .. reg_nr; x_p^1 E .. x_p^N E] (B, 1+nr+N, D), and E_pos with a row for every one of
+    them (1, 1+nr+N, D), as timm's default no_embed_class=False. Nothing reads the registers' outputs:
+    they are scratch space for the attention (Pool drops them)."""
+
+    def __init__(self, num_patches, embed_dim, class_token=True, rng=None, dtype="float32", num_registers=0):
         super().__init__()
         rng = host_rng(0) if rng is None else rng
-        self.class_token = class_token
-        seq_len = num_patches + (1 if class_token else 0)
+        self.class_token, self.num_registers = class_token, num_registers
+        seq_len = (1 if class_token else 0) + num_registers + num_patches
         if class_token:
             self.params["cls_token"] = trunc_normal(rng, (1, 1, embed_dim), 1e-6, dtype)  # (1, 1, D), as timm
             self.grads["cls_token"] = zeros((1, 1, embed_dim), dtype)
-        self.params["pos_embed"] = trunc_normal(rng, (1, seq_len, embed_dim), 0.02, dtype)  # (1, N+1, D)
+        if num_registers:
+            reg = rng.standard_normal((1, num_registers, embed_dim)) * 1e-6     # N(0, 1e-6^2): timm's normal_
+            self.params["reg_token"] = asarray(reg, dtype=dtype)                   # (1, nr, D)
+            self.grads["reg_token"] = zeros((1, num_registers, embed_dim), dtype)
+        self.params["pos_embed"] = trunc_normal(rng, (1, seq_len, embed_dim), 0.02, dtype)  # (1, 1+nr+N, D)
         self.grads["pos_embed"] = zeros((1, seq_len, embed_dim), dtype)
 
     def forward(self, x):                                        # (B, N, D)
-        xp = get_array_module(x)
-        if self.class_token:
-            B, _, D = x.shape
-            cls = xp.broadcast_to(self.params["cls_token"], (B, 1, D))  # (B, 1, D)
-            x = xp.concatenate([cls, x], axis=1)                 # (B, N+1, D)
-        self.cache = True if self.training else None            # nothing to remember but "forward ran"
-        return x + self.params["pos_embed"]                      # (B, N+1, D)
+        cls_token = self.params["cls_token"] if self.class_token else None      # (1, 1, D)
+        reg_token = self.params["reg_token"] if self.num_registers else None    # (1, nr, D)
+        z, cache = prepend_tokens_forward(x, cls_token, reg_token)
+        self.cache = cache if self.training else None
+        return z + self.params["pos_embed"]                      # (B, 1+nr+N, D)
 
-    def backward(self, dout):                                    # (B, N+1, D)
-        self._need_cache()
-        self.grads["pos_embed"] += dout.sum(0, keepdims=True)    # (1, N+1, D): added to every sample
-        if not self.class_token:
-            return dout
-        self.grads["cls_token"] += dout[:, :1].sum(0, keepdims=True)  # (1, 1, D)
-        return dout[:, 1:]                                       # (B, N, D): the patch tokens' part
+    def backward(self, dout):                                    # (B, 1+nr+N, D)
+        cache = self._need_cache()
+        self.grads["pos_embed"] += dout.sum(0, keepdims=True)    # (1, 1+nr+N, D): added to every sample
+        dx, dcls_token, dreg_token = prepend_tokens_backward(dout, cache)
+        if dcls_token is not None:
+            self.grads["cls_token"] += dcls_token                # (1, 1, D)
+        if dreg_token is not None:
+            self.grads["reg_token"] += dreg_token                # (1, nr, D)
+        return dx                                                # (B, N, D): the patch tokens' part
 
 
 def resize_pos_embed(pos_embed, old_grid, new_grid, num_prefix_tokens=1):
@@ -644,9 +676,11 @@ class GridPosEmbed(Layer):
       "none":      no position information: the model sees a bag of patches.
     The class token, if any, is prepended after the embeddings are added and gets none of its own: it is
     itself a learned vector, so x_class + e_class would just be another learned x_class (MAE gives it a
-    row of zeros too). (B, N, D) -> (B, N+1, D) with class_token=True, else (B, N, D)."""
+    row of zeros too). (B, N, D) -> (B, N+1, D) with class_token=True, else (B, N, D).
+    num_registers=nr register tokens (as PosEmbed's, reg_token (1, nr, D)) follow the class token and get
+    no position embedding either: [x_class; reg_1 .. reg_nr; patches], timm's no_embed_class=True."""
 
-    def __init__(self, grid_size, embed_dim, kind, class_token=True, rng=None, dtype="float32"):
+    def __init__(self, grid_size, embed_dim, kind, class_token=True, rng=None, dtype="float32", num_registers=0):
         super().__init__()
         if kind == "learned":
             raise ValueError("GridPosEmbed makes the grid kinds (learned2d, sincos2d, none); the learned 1-D "
@@ -655,9 +689,14 @@ class GridPosEmbed(Layer):
         rng = host_rng(0) if rng is None else rng
         gh, gw = grid_size
         self.grid_size, self.embed_dim, self.kind, self.class_token = (gh, gw), embed_dim, kind, class_token
+        self.num_registers = num_registers
         if class_token:
             self.params["cls_token"] = trunc_normal(rng, (1, 1, embed_dim), 1e-6, dtype)     # (1, 1, D), as PosEmbed
             self.grads["cls_token"] = zeros((1, 1, embed_dim), dtype)
+        if num_registers:
+            reg = rng.standard_normal((1, num_registers, embed_dim)) * 1e-6               # as PosEmbed's
+            self.params["reg_token"] = asarray(reg, dtype=dtype)                            # (1, nr, D)
+            self.grads["reg_token"] = zeros((1, num_registers, embed_dim), dtype)
         if kind == "learned2d":
             half = embed_dim // 2
             self.params["pos_embed_row"] = trunc_normal(rng, (1, gh, half), 0.02, dtype)     # (1, gh, D/2)
@@ -677,22 +716,21 @@ class GridPosEmbed(Layer):
         return xp.concatenate([row, col], axis=-1).reshape(1, gh * gw, self.embed_dim)             # (1, N, D)
 
     def forward(self, x):                                        # (B, N, D)
-        xp = get_array_module(x)
         pos = self.pos_table()                                   # (1, N, D) or None
         if pos is not None:
             x = x + pos                                          # (B, N, D)
-        if self.class_token:
-            B, _, D = x.shape
-            cls = xp.broadcast_to(self.params["cls_token"], (B, 1, D))  # (B, 1, D)
-            x = xp.concatenate([cls, x], axis=1)                 # (B, N+1, D)
-        self.cache = True if self.training else None            # nothing to remember but "forward ran"
-        return x
+        cls_token = self.params["cls_token"] if self.class_token else None      # (1, 1, D)
+        reg_token = self.params["reg_token"] if self.num_registers else None    # (1, nr, D)
+        z, cache = prepend_tokens_forward(x, cls_token, reg_token)
+        self.cache = cache if self.training else None
+        return z                                                 # (B, 1+nr+N, D), or without the 1: GAP
 
-    def backward(self, dout):                                    # (B, N+1, D) or (B, N, D)
-        self._need_cache()
-        if self.class_token:
-            self.grads["cls_token"] += dout[:, :1].sum(0, keepdims=True)  # (1, 1, D)
-            dout = dout[:, 1:]                                   # (B, N, D): the patch tokens' part
+    def backward(self, dout):                                    # (B, 1+nr+N, D)
+        dout, dcls_token, dreg_token = prepend_tokens_backward(dout, self._need_cache())  # (B, N, D)
+        if dcls_token is not None:
+            self.grads["cls_token"] += dcls_token                # (1, 1, D)
+        if dreg_token is not None:
+            self.grads["reg_token"] += dreg_token                # (1, nr, D)
         if self.kind == "learned2d":
             (gh, gw), half = self.grid_size, self.embed_dim // 2
             dpos = dout.sum(0).reshape(gh, gw, self.embed_dim)   # (gh, gw, D): added to every sample
@@ -707,7 +745,8 @@ class GridPosEmbed(Layer):
         return self
 
     def extra_repr(self):
-        return f"{self.kind!r}, grid={self.grid_size}, class_token={self.class_token}"
+        regs = f", num_registers={self.num_registers}" if self.num_registers else ""
+        return f"{self.kind!r}, grid={self.grid_size}, class_token={self.class_token}{regs}"
 
 
 class Block(Layer):
@@ -777,28 +816,38 @@ def check_pool(mode):
 
 class Pool(Layer):
     """From tokens to one vector per image. "cls": the class token's output (paper Eq. 4);
-    "gap": the mean over all tokens (the model then has no class token)."""
+    "gap": the mean over the patch tokens (the model then has no class token).
 
-    def __init__(self, mode="cls"):
+    num_prefix_tokens=T (timm's name): the tokens before the patches, the class token and the register
+    tokens. "gap" averages only the N patch tokens after them, as timm's global_pool="avg" (x[:, T:]);
+    "cls" reads token 0 whatever T is. The registers' outputs are read by neither mode: they are dropped
+    here, and get zero gradient from the pool (they still shape the other tokens through attention)."""
+
+    def __init__(self, mode="cls", num_prefix_tokens=0):
         super().__init__()
         check_pool(mode)
-        self.mode = mode
+        self.mode, self.num_prefix_tokens = mode, num_prefix_tokens
 
-    def forward(self, x):                       # (B, N, D) -> (B, D)
+    def forward(self, x):                       # (B, T+N, D) -> (B, D)
         self.cache = x.shape if self.training else None
-        return x[:, 0] if self.mode == "cls" else x.mean(1)
-
-    def backward(self, dout):                   # (B, D) -> (B, N, D)
-        B, N, D = self._need_cache()
-        xp = get_array_module(dout)
         if self.mode == "cls":
-            dx = xp.zeros((B, N, D), dtype=dout.dtype)
+            return x[:, 0]                      # y = z^0, the class token
+        return x[:, self.num_prefix_tokens:].mean(1)   # y = 1/N sum_i z^(T+i), the patch tokens only
+
+    def backward(self, dout):                   # (B, D) -> (B, T+N, D)
+        B, S, D = self._need_cache()            # S = T + N tokens
+        T = self.num_prefix_tokens
+        xp = get_array_module(dout)
+        dx = xp.zeros((B, S, D), dtype=dout.dtype)  # the tokens not read get no gradient
+        if self.mode == "cls":
             dx[:, 0] = dout                     # only the class token was read
-            return dx
-        return xp.broadcast_to(dout[:, None, :] / N, (B, N, D)).copy()  # the mean spreads 1/N to each
+        else:
+            dx[:, T:] = dout[:, None, :] / (S - T)  # the mean spreads 1/N to each patch token
+        return dx
 
     def extra_repr(self):
-        return repr(self.mode)
+        skip = self.mode == "gap" and self.num_prefix_tokens        # only the mean skips the prefix
+        return repr(self.mode) + (f", num_prefix_tokens={self.num_prefix_tokens}" if skip else "")
 
 
 class Tanh(Layer):

@@ -12,7 +12,9 @@
 
 The paper's variants are options of the same stages: ``stem="conv"`` makes patch_embed the hybrid's small
 CNN (minivit/conv.py, §3.1), and ``pos_embed="learned2d" | "sincos2d" | "none"`` makes pos_embed a
-GridPosEmbed (layers.py, App. D.4). experiments/ and notebook 11 compare them. CLIP's image tower
+GridPosEmbed (layers.py, App. D.4). experiments/ and notebook 11 compare them. ``num_registers=nr`` adds
+nr register tokens after the class token (Darcet et al., ICLR 2024; timm's reg_tokens): pos_embed makes
+(B, 1+nr+N, D), the blocks and norm carry them, and pool drops them. CLIP's image tower
 (minivit/clip.py) is this ViT with ``pre_norm=True, patch_bias=False, norm_eps=1e-5, head_bias=False`` and
 often ``gelu="quick"``: the options timm's VisionTransformer has for its CLIP models.
 
@@ -93,6 +95,9 @@ class ViTConfig(ConfigDict):
     patch_bias: bool = True        # the patch projection's bias (CLIP has none; timm drops it with pre_norm)
     norm_eps: float = 1e-6         # every LayerNorm's eps: 1e-6 as ViT, 1e-5 as CLIP (PyTorch's default)
     head_bias: bool = True         # the head's bias (CLIP's image projection has none)
+    # after the paper: register tokens (Darcet et al., "Vision Transformers Need Registers", ICLR 2024)
+    num_registers: int = 0         # nr: learned tokens after the class token, [x_class; reg_1..reg_nr; patches],
+                                   # read by no output (timm's reg_tokens; the paper mostly uses 4); 0: none
 
     def __post_init__(self):
         img = self.img_size
@@ -138,6 +143,9 @@ class ViTConfig(ConfigDict):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if not isinstance(self.norm_eps, (int, float)) or isinstance(self.norm_eps, bool) or not self.norm_eps > 0:
             raise ValueError(f"norm_eps must be a positive number, got {self.norm_eps!r}")
+        nr = self.num_registers
+        if not isinstance(nr, int) or isinstance(nr, bool) or nr < 0:
+            raise ValueError(f"num_registers must be an int >= 0 (0: no register tokens), got {nr!r}")
         if self.stem == "conv" and not self.patch_bias:
             raise ValueError("patch_bias=False is an option of the patch stem (stem='patch'), not of the conv stem")
         if self.stem == "conv" and P & (P - 1):
@@ -156,9 +164,14 @@ class ViTConfig(ConfigDict):
         return gh * gw
 
     @property
+    def num_prefix_tokens(self):
+        """The tokens before the patches (timm's name): the class token (pool="cls"), then the nr registers."""
+        return (1 if self.pool == "cls" else 0) + self.num_registers
+
+    @property
     def seq_len(self):
-        """Tokens through the encoder: N + 1 with the class token, N with GAP."""
-        return self.num_patches + (1 if self.pool == "cls" else 0)
+        """Tokens through the encoder: N + 1 with the class token, N with GAP, and nr more with registers."""
+        return self.num_prefix_tokens + self.num_patches
 
     @property
     def mlp_dim(self):
@@ -200,9 +213,11 @@ def param_shapes(config):
             shapes["patch_embed.proj.bias"] = (D,)
     if c.pool == "cls":
         shapes["cls_token"] = (1, 1, D)                               # x_class
+    if c.num_registers:
+        shapes["reg_token"] = (1, c.num_registers, D)                 # reg_1 .. reg_nr
     gh, gw = c.grid_size
     if c.pos_embed == "learned":
-        shapes["pos_embed"] = (1, c.seq_len, D)                       # E_pos
+        shapes["pos_embed"] = (1, c.seq_len, D)                       # E_pos, a row for every token
     elif c.pos_embed == "learned2d":
         shapes.update({"pos_embed_row": (1, gh, D // 2), "pos_embed_col": (1, gw, D // 2)})
     if c.pre_norm:
@@ -240,7 +255,7 @@ def flops(config):
 
         patch stem   2 N (P^2 C) D                     x_p E, N patches
         conv stem    2 Ho Wo (9 C_in) C_out            each 3x3 conv, at its output size; then 2 N c D
-        each block   2 T (3 D^2 + D^2 + 2 D M)         qkv, proj, fc1, fc2 on T = N (+1 class token) tokens
+        each block   2 T (3 D^2 + D^2 + 2 D M)         qkv, proj, fc1, fc2 on T = N (+1 class token, +nr registers)
                      + 2 * 2 T^2 D                     q k^T and (softmax) v, all heads together
         head         2 D K, or 2 D R + 2 R K           with a representation layer (pre_logits)
     """
@@ -395,13 +410,14 @@ class ViT(Classifier):
         else:
             self.patch_embed = PatchEmbed(c.img_size, c.patch_size, c.in_chans, c.embed_dim, bias=c.patch_bias,
                                           rng=rng, dtype=dtype)
-        # cls_token and pos_embed are top-level names in timm: registered with an empty prefix
+        # cls_token, reg_token and pos_embed are top-level names in timm: registered with an empty prefix
         if c.pos_embed == "learned":
             self.pos_embed = self.add("", PosEmbed(c.num_patches, c.embed_dim, class_token=c.pool == "cls",
-                                                   rng=rng, dtype=dtype))
+                                                   rng=rng, dtype=dtype, num_registers=c.num_registers))
         else:                  # learned2d, sincos2d or none (App. D.4)
             self.pos_embed = self.add("", GridPosEmbed(c.grid_size, c.embed_dim, c.pos_embed,
-                                                       class_token=c.pool == "cls", rng=rng, dtype=dtype))
+                                                       class_token=c.pool == "cls", rng=rng, dtype=dtype,
+                                                       num_registers=c.num_registers))
         self.pos_drop = Dropout(c.drop_rate, seed=seed * 1000 + 999)
         self.norm_pre = None
         if c.pre_norm:
@@ -412,7 +428,7 @@ class ViT(Classifier):
             self.blocks.append(Block(c.embed_dim, c.num_heads, c.mlp_ratio, c.qkv_bias, c.gelu, c.drop_rate,
                                      drop_path, rng=rng, dtype=dtype, seed=seed * 1000 + 10 * i, eps=c.norm_eps))
         self.norm = LayerNorm(c.embed_dim, eps=c.norm_eps, dtype=dtype)
-        self.pool = Pool(c.pool)
+        self.pool = Pool(c.pool, num_prefix_tokens=c.num_prefix_tokens)   # drops the registers
         self.pre_logits = None
         if c.representation_size is not None:
             self.pre_logits = PreLogits(c.embed_dim, c.representation_size, rng=rng, dtype=dtype)
@@ -476,17 +492,19 @@ class ViT(Classifier):
             raise ValueError(f"resize_pos_embed resizes the learned 1-D table (pos_embed='learned'); this model "
                              f"has pos_embed={self.config.pos_embed!r}")
         config = dataclasses.replace(self.config, img_size=img_size)   # checks that P divides img_size
-        T = 1 if config.pool == "cls" else 0                           # the class token's row, kept
+        T = config.num_prefix_tokens                                   # the class token's and registers' rows, kept
         resized = resize_pos_embed(to_numpy(self.params["pos_embed"]), self.config.grid_size, config.grid_size, T)
         model = copy.deepcopy(self)              # every array copied: the two models share nothing
         model.config = config
         model.patch_embed.img_size = config.img_size     # its backward folds patches back to this size
-        pos = PosEmbed(config.num_patches, config.embed_dim, config.pool == "cls", dtype=self.dtype).to(self.backend)
-        pos.params["pos_embed"][...] = asarray(resized, backend=self.backend)             # (1, N'+1, D)
-        if config.pool == "cls":
-            pos.params["cls_token"][...] = self.params["cls_token"]                       # (1, 1, D) as it was
-        model.pos_embed = model.add("", pos)
-        model.to(self.backend)                   # drops any copied caches, gathers the new arrays
+        pos = PosEmbed(config.num_patches, config.embed_dim, config.pool == "cls", dtype=self.dtype,
+                       num_registers=config.num_registers).to(self.backend)
+        pos.params["pos_embed"][...] = asarray(resized, backend=self.backend)             # (1, T+N', D)
+        for name in ("cls_token", "reg_token"):
+            if name in pos.params:
+                pos.params[name][...] = self.params[name]                     # (1, 1, D), (1, nr, D) as they were
+        model.pos_embed = pos                    # takes the old one's place, the "" prefix
+        model.to(self.backend)                   # drops any copied caches
         return model.train(self.training)
 
     def extra_repr(self):
@@ -510,6 +528,8 @@ _NOTES = {
     "pos_embed sincos2d": "z_0 = [x_class; x_p E + fixed 2-D sin-cos]",
     "pos_embed none": "z_0 = [x_class; x_p E]: no position information",
     "pos_embed": "z_0 = [x_class; x_p E] + E_pos (Eq. 1)",
+    "pos_embed registers cls": "z_0 = [x_class; reg_1 .. reg_nr; x_p E] + E_pos: nr register tokens after x_class",
+    "pos_embed registers gap": "z_0 = [reg_1 .. reg_nr; x_p E] + E_pos: nr register tokens before the patches",
     "norm_pre": "LN(z_0): CLIP's ln_pre, before the blocks",
     "norm": "LN(z_L) (Eq. 4)",
     "pool": "y = LN(z_L)^0, the class token (Eq. 4)",
@@ -559,7 +579,14 @@ def trace(model, x, verbose=True):
             elif name.startswith("blocks."):
                 note = "the same block, its own weights"
             if name == "pool" and model.config.pool == "gap":
-                note = "y = mean over tokens of LN(z_L) (global average pooling)"
+                note = "y = mean over the patch tokens of LN(z_L) (global average pooling)"
+            if model.config.num_registers and name == "pos_embed":   # Darcet et al., ICLR 2024
+                if model.config.pos_embed != "learned":
+                    note += "; nr register tokens before the patches, with no position embedding"
+                else:
+                    note = _NOTES["pos_embed registers " + model.config.pool]
+            if model.config.num_registers and name == "pool":
+                note += "; the registers' outputs are dropped"
             rows.append((name, tuple(x.shape[1:]), note))
     finally:
         model.train(was_training)

@@ -74,6 +74,27 @@ def test_pos_embed(arr, class_token):
     check(L.PosEmbed(6, 8, class_token=class_token, dtype="float64"), arr(2, 6, 8))
 
 
+# register tokens (Darcet et al., ICLR 2024): [x_class; reg_1 .. reg_nr; patches], E_pos over them all
+@pytest.mark.parametrize("class_token", [True, False])
+def test_pos_embed_with_registers(arr, class_token):
+    layer = L.PosEmbed(6, 8, class_token=class_token, num_registers=3, dtype="float64")
+    report = check(layer, arr(2, 6, 8))
+    assert "reg_token" in report.errors() and ("cls_token" in report.errors()) == class_token
+
+
+@pytest.mark.parametrize("kind", ["learned2d", "sincos2d", "none"])
+@pytest.mark.parametrize("class_token", [True, False])
+def test_grid_pos_embed_with_registers(arr, kind, class_token):
+    layer = L.GridPosEmbed((2, 3), 8, kind, class_token=class_token, num_registers=2, dtype="float64")
+    assert "reg_token" in check(layer, arr(2, 6, 8)).errors()
+
+
+def test_prepend_tokens_pair(arr):
+    cls_token, reg_token = arr(1, 1, 8), arr(1, 3, 8)
+    check(Pair(lambda x: L.prepend_tokens_forward(x, cls_token, reg_token),
+               lambda dz, cache: L.prepend_tokens_backward(dz, cache)[0]), arr(2, 5, 8))
+
+
 def test_block(arr):
     check(L.Block(12, 3, mlp_ratio=2.0, dtype="float64"), arr(2, 5, 12))
 
@@ -81,6 +102,11 @@ def test_block(arr):
 @pytest.mark.parametrize("mode", ["cls", "gap"])
 def test_pool(arr, mode):
     check(L.Pool(mode), arr(3, 5, 8))
+
+
+@pytest.mark.parametrize("mode", ["cls", "gap"])
+def test_pool_after_prefix_tokens(arr, mode):     # the class token and/or registers first, then 5 patches
+    check(L.Pool(mode, num_prefix_tokens=3), arr(3, 8, 8))
 
 
 def test_dropout_pair_with_a_fixed_mask(arr, rng):
@@ -129,6 +155,16 @@ def test_whole_model(arr, pool):
     report = check(model, arr(2, 8, 12, 3), max_checks=60)
     assert {"input", "patch_embed.proj.weight", "blocks.1.mlp.fc2.weight", "head.bias"} <= set(report.errors())
     assert ("cls_token" in report.errors()) == (pool == "cls")
+
+
+@pytest.mark.parametrize("pool", ["cls", "gap"])
+def test_whole_model_with_registers(arr, pool):
+    config = minivit.ViTConfig(img_size=(8, 12), patch_size=4, in_chans=3, num_classes=5, embed_dim=12,
+                               depth=2, num_heads=3, mlp_ratio=2.0, pool=pool, num_registers=2)
+    model = minivit.ViT(config, seed=1, dtype="float64")
+    model.params["reg_token"][...] = arr(1, 2, 12)   # off their 1e-6 init, so they move the attention
+    report = check(model, arr(2, 8, 12, 3), max_checks=60)
+    assert {"input", "reg_token", "pos_embed"} <= set(report.errors())
 
 
 def test_model_with_tanh_gelu(arr):

@@ -46,6 +46,45 @@ def test_pool_modes(rng):
     np.testing.assert_allclose(minivit.to_numpy(L.Pool("gap").forward(minivit.asarray(x))), x.mean(1))
 
 
+def test_registers_follow_the_class_token_and_get_their_own_position_rows(rng):
+    # timm's layout: [x_class; reg_1 .. reg_nr; patches], pos_embed (1, 1+nr+N, D) added to all of them
+    layer = L.PosEmbed(4, 6, num_registers=3, dtype="float64")
+    assert layer.params["reg_token"].shape == (1, 3, 6) and layer.params["pos_embed"].shape == (1, 8, 6)
+    layer.params["reg_token"][...] = minivit.asarray(rng.standard_normal((1, 3, 6)))
+    x = rng.standard_normal((2, 4, 6))
+    out = minivit.to_numpy(layer.forward(minivit.asarray(x)))                   # (B, 1+3+4, D)
+    cls, reg = minivit.to_numpy(layer.params["cls_token"])[0], minivit.to_numpy(layer.params["reg_token"])[0]
+    pos = minivit.to_numpy(layer.params["pos_embed"])[0]
+    assert out.shape == (2, 8, 6)
+    np.testing.assert_allclose(out[:, 0], np.broadcast_to(cls[0] + pos[0], (2, 6)))
+    np.testing.assert_allclose(out[:, 1:4], np.broadcast_to(reg + pos[1:4], (2, 3, 6)))
+    np.testing.assert_allclose(out[:, 4:], x + pos[4:])
+    gap = L.PosEmbed(4, 6, class_token=False, num_registers=2, dtype="float64")  # GAP: the registers come first
+    assert "cls_token" not in gap.params and gap.params["pos_embed"].shape == (1, 6, 6)
+    assert minivit.to_numpy(gap.forward(minivit.asarray(x))).shape == (2, 6, 6)
+
+
+def test_grid_kinds_put_registers_before_the_patches_without_a_position(rng):
+    layer = L.GridPosEmbed((2, 2), 8, "sincos2d", class_token=True, num_registers=2, dtype="float64")
+    layer.params["reg_token"][...] = minivit.asarray(rng.standard_normal((1, 2, 8)))
+    x = rng.standard_normal((3, 4, 8))
+    out = minivit.to_numpy(layer.forward(minivit.asarray(x)))                   # (B, 1+2+4, D)
+    np.testing.assert_array_equal(out[:, 1:3], np.broadcast_to(minivit.to_numpy(layer.params["reg_token"])[0], (3, 2, 8)))
+    np.testing.assert_allclose(out[:, 3:], x + minivit.to_numpy(layer.table))
+
+
+def test_pool_drops_the_prefix_tokens(rng):
+    # 1 class token + 2 registers, then 5 patches: "cls" reads token 0, "gap" the mean of the 5 patches only
+    x = rng.standard_normal((2, 8, 3))
+    cls, gap = L.Pool("cls", num_prefix_tokens=3), L.Pool("gap", num_prefix_tokens=3)
+    np.testing.assert_array_equal(minivit.to_numpy(cls.forward(minivit.asarray(x))), x[:, 0])
+    np.testing.assert_allclose(minivit.to_numpy(gap.forward(minivit.asarray(x))), x[:, 3:].mean(1))
+    dx = minivit.to_numpy(gap.backward(minivit.asarray(np.ones((2, 3)))))          # (B, 8, D)
+    assert (dx[:, :3] == 0).all() and np.allclose(dx[:, 3:], 1 / 5)                # the registers get nothing
+    dx = minivit.to_numpy(cls.backward(minivit.asarray(np.ones((2, 3)))))
+    assert (dx[:, 1:] == 0).all() and (dx[:, 0] == 1).all()
+
+
 def test_linear_reads_as_the_math(rng):
     layer = L.Linear(3, 2, dtype="float64")
     assert layer.params["weight"].shape == (3, 2)      # (in, out): y = x W + b

@@ -52,6 +52,68 @@ def test_param_shapes_are_the_built_model_for_every_option(options):
     assert config.num_params() == ViT(config).num_params()
 
 
+REGISTER_OPTIONS = [dict(pos_embed=pos, stem=stem, pool=pool)
+                    for pos, stem, pool in itertools.product(("learned", "learned2d", "sincos2d", "none"),
+                                                             ("patch", "conv"), ("cls", "gap"))]
+
+
+@pytest.mark.parametrize("options", REGISTER_OPTIONS, ids=lambda o: "-".join(str(v) for v in o.values()))
+def test_param_shapes_are_the_built_model_with_registers(options):
+    config = ViTConfig(img_size=(16, 8), patch_size=4, in_chans=2, num_classes=5, embed_dim=12, depth=1,
+                       num_heads=3, stem_width=4, num_registers=3, **options)
+    shapes = minivit.param_shapes(config)
+    assert list(shapes.items()) == built_shapes(config)                        # names, shapes and order
+    assert config.num_params() == ViT(config).num_params()
+    assert shapes["reg_token"] == (1, 3, 12)
+    assert config.num_prefix_tokens == (1 if options["pool"] == "cls" else 0) + 3
+    assert config.seq_len == config.num_prefix_tokens + 8
+    if options["pos_embed"] == "learned":                                      # timm's no_embed_class=False
+        assert shapes["pos_embed"] == (1, config.seq_len, 12)
+    without = dataclasses.replace(config, num_registers=0)
+    assert config.num_params() - without.num_params() == 3 * 12 * (2 if options["pos_embed"] == "learned" else 1)
+
+
+def test_registers_timms_names_order_and_init():
+    model = ViT(tiny(num_registers=4))
+    names = list(model.params)
+    assert names[names.index("cls_token"):names.index("cls_token") + 3] == ["cls_token", "reg_token", "pos_embed"]
+    reg = minivit.to_numpy(model.params["reg_token"])
+    assert reg.shape == (1, 4, 16) and 0 < np.abs(reg).max() < 1e-5                # N(0, 1e-6^2), as timm
+    # no registers, no change: the default model draws exactly what it drew before the option existed
+    for k, p in ViT(tiny(num_registers=0), seed=2).params.items():
+        np.testing.assert_array_equal(minivit.to_numpy(p), minivit.to_numpy(ViT(tiny(), seed=2).params[k]))
+
+
+def test_registers_flow_through_the_model_and_only_the_patches_reach_gap(rng):
+    model = ViT(tiny(num_registers=2, pool="gap"), dtype="float64")
+    x = minivit.asarray(rng.standard_normal((3, 16, 16, 3)))
+    model.zero_grad()
+    logits = model.forward(x)
+    assert logits.shape == (3, 4)
+    model.backward(minivit.asarray(np.ones((3, 4))))
+    assert np.abs(minivit.to_numpy(model.grads["reg_token"])).sum() > 0            # trained through attention
+    trace = minivit.trace(model, x, verbose=False)
+    assert dict((name, shape) for name, shape, _ in trace)["pos_embed"] == (2 + 16, 16)
+    assert "registers" in dict((name, note) for name, _, note in trace)["pool"]
+
+
+def test_flops_count_the_registers():
+    c = tiny()
+    assert minivit.flops(dataclasses.replace(c, num_registers=4)) == minivit.flops(
+        dataclasses.replace(c, img_size=(16, 20))) - 2 * 4 * c.patch_size ** 2 * 3 * 16   # 4 more tokens, no more patches
+
+
+def test_resize_keeps_the_class_token_and_registers_rows(rng):
+    model = ViT(tiny(num_registers=2), dtype="float64")
+    model.params["reg_token"][...] = minivit.asarray(rng.standard_normal((1, 2, 16)))
+    bigger = model.resize_pos_embed(24)
+    assert bigger.params["pos_embed"].shape == (1, 3 + 36, 16)
+    np.testing.assert_array_equal(minivit.to_numpy(bigger.params["pos_embed"])[:, :3],
+                                  minivit.to_numpy(model.params["pos_embed"])[:, :3])
+    np.testing.assert_array_equal(minivit.to_numpy(bigger.params["reg_token"]), minivit.to_numpy(model.params["reg_token"]))
+    assert bigger.forward(minivit.asarray(rng.standard_normal((1, 24, 24, 3)))).shape == (1, 4)
+
+
 def test_flops_of_a_small_config_by_hand():
     # 8x8x1 images, P = 4: N = 4 patches, T = 5 tokens; D = 8, M = 16, K = 3, one block
     c = ViTConfig(img_size=8, patch_size=4, in_chans=1, num_classes=3, embed_dim=8, depth=1, num_heads=2,
@@ -89,7 +151,9 @@ def test_config_properties():
     c = minivit.presets["vit_base_patch16_224"]
     assert (c.img_size, c.grid_size, c.num_patches, c.seq_len) == ((224, 224), (14, 14), 196, 197)
     assert tiny(pool="gap").seq_len == 16
+    assert (tiny(num_registers=4).seq_len, tiny(pool="gap", num_registers=4).seq_len) == (21, 20)
     assert ViTConfig.from_dict(c.to_dict()) == c
+    assert ViTConfig.from_dict(tiny(num_registers=4).to_dict()).num_registers == 4
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -100,6 +164,9 @@ def test_config_properties():
     (dict(depth=0), "depth must be a positive int, got 0"),
     (dict(img_size="224"), "img_size must be an int or a pair"),
     (dict(drop_rate=1.0), "drop_rate must be in"),
+    (dict(num_registers=-1), r"num_registers must be an int >= 0 .*got -1"),
+    (dict(num_registers=2.0), r"num_registers must be an int >= 0 .*got 2.0"),
+    (dict(num_registers=True), r"num_registers must be an int >= 0 .*got True"),
 ])
 def test_config_errors_name_the_value(kwargs, match):
     with pytest.raises(ValueError, match=match):

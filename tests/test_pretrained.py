@@ -207,6 +207,19 @@ def test_a_minivit_checkpoint_is_a_starting_point_too(tmp_path):
     assert new.config.num_classes == 2 and new.config.grid_size == (8, 8)
 
 
+def test_a_minivit_checkpoint_with_registers_loads_and_resizes(tmp_path):
+    checkpoint = pytest.importorskip("minivit.checkpoint")
+    model = perturbed(tiny(num_registers=2))
+    checkpoint.save_checkpoint(tmp_path / "reg.npz", model)
+    again = convert.from_pretrained(tmp_path / "reg.npz", dtype="float64")
+    assert again.config.num_registers == 2
+    same_params(again, model)
+    new = convert.from_pretrained(tmp_path / "reg.npz", img_size=32, dtype="float64")
+    assert new.params["pos_embed"].shape == (1, 1 + 2 + 64, 24)
+    with pytest.raises(ValueError, match="no register tokens: num_registers=2"):
+        convert.to_google_npz(model.state_dict(), model.config)
+
+
 def test_a_minivit_checkpoint_of_a_variant_loads_and_refuses_a_resize_it_cannot_do(tmp_path):
     """The shapes a checkpoint must have come from model.param_shapes, which knows every option."""
     checkpoint = pytest.importorskip("minivit.checkpoint")
@@ -234,6 +247,15 @@ def test_resize_is_the_identity_at_the_same_grid():
     same_params(same, model)
     x = images(tiny())
     np.testing.assert_array_equal(logits_of(same, x), logits_of(model, x))
+
+
+@pytest.mark.parametrize("pool", ["cls", "gap"])
+def test_a_checkpoint_with_registers_resizes_as_the_model_does(pool):
+    model = perturbed(tiny(num_registers=3, pool=pool))
+    config, state = convert.resize_state_dict(model.config, model.state_dict(), 24)
+    bigger = model.resize_pos_embed(24)
+    assert config == bigger.config and state["pos_embed"].shape == (1, config.num_prefix_tokens + 36, 24)
+    same_params(ViT(config, dtype="float64").load_state_dict(state), bigger)   # the prefix rows kept as they were
 
 
 @pytest.mark.parametrize("old, new", [((3, 5), (7, 4)), ((14, 14), (24, 24)), ((6, 6), (4, 3))])
