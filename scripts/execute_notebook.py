@@ -1,11 +1,15 @@
 """Execute lessons top to bottom and save them with their outputs: how the committed notebooks are made.
 
     python scripts/execute_notebook.py notebooks/10_exercises.ipynb            # full mode
-    python scripts/execute_notebook.py --quick notebooks/15_*.ipynb            # quick mode (MINIVIT_QUICK=1)
+    python scripts/execute_notebook.py --quick notebooks/15_*.ipynb            # quick mode
+    MINIVIT_QUICK=1 python scripts/execute_notebook.py notebooks/15_*.ipynb    # quick mode too
 
-Each notebook runs in notebooks/ (so `assets/...` and `runs/...` resolve as in Jupyter), with the same
-environment as tests/test_notebooks.py: MINIVIT_BACKEND=numpy, OPENBLAS_NUM_THREADS=1 and this checkout
-first on PYTHONPATH. The executed notebook replaces the file only after every cell ran without an error
+The mode is quick with --quick or with MINIVIT_QUICK=1 in the environment (as `MINIVIT_QUICK=1 make lab`),
+full otherwise; --full forces full mode whatever the environment says. The script prints the mode, and why,
+before it runs each notebook. Each notebook runs in its own folder (so `assets/...` and `runs/...` resolve as
+in Jupyter), with the same environment as tests/test_notebooks.py: MINIVIT_BACKEND=numpy,
+OPENBLAS_NUM_THREADS=1 and this checkout first on PYTHONPATH (the kernel gets them; this process's environment
+is left as it is). The executed notebook replaces the file only after every cell ran without an error
 (written to a temporary file, then os.replace). Each notebook says in its first cell which mode its
 committed outputs come from; notebooks/README.md lists them.
 """
@@ -19,6 +23,30 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def choose_mode(quick_flag, full_flag, environ):
+    """(quick, why): the mode asked for on the command line, else the one MINIVIT_QUICK gives, else full."""
+    if quick_flag:
+        return True, "--quick"
+    if full_flag:
+        return False, "--full"
+    if environ.get("MINIVIT_QUICK") == "1":
+        return True, "MINIVIT_QUICK=1 in the environment"
+    return False, "the default: MINIVIT_QUICK is not 1 and neither --quick nor --full was given"
+
+
+def kernel_env(quick, environ=os.environ):
+    """The environment the notebook's kernel runs in: the test suite's, with MINIVIT_QUICK set or unset."""
+    env = dict(environ)
+    env["MINIVIT_BACKEND"] = "numpy"
+    env["OPENBLAS_NUM_THREADS"] = "1"
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + environ.get("PYTHONPATH", "")
+    if quick:
+        env["MINIVIT_QUICK"] = "1"
+    else:
+        env.pop("MINIVIT_QUICK", None)
+    return env
+
+
 def execute(path, quick, timeout=1800):
     import nbclient
     import nbformat
@@ -28,34 +56,32 @@ def execute(path, quick, timeout=1800):
     for cell in nb.cells:                       # from a clean slate
         if cell.cell_type == "code":
             cell.outputs, cell.execution_count = [], None
-    os.environ["MINIVIT_BACKEND"] = "numpy"
-    os.environ["OPENBLAS_NUM_THREADS"] = "1"
-    os.environ["PYTHONPATH"] = str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")
-    if quick:
-        os.environ["MINIVIT_QUICK"] = "1"
-    else:
-        os.environ.pop("MINIVIT_QUICK", None)
     client = nbclient.NotebookClient(nb, timeout=timeout, kernel_name="python3",
                                      resources={"metadata": {"path": str(path.parent)}})
     start = time.perf_counter()
-    client.execute()                            # raises CellExecutionError on the first failing cell
+    client.execute(env=kernel_env(quick))       # raises CellExecutionError on the first failing cell
     tmp = path.with_name(f".{path.name}.tmp")
     nbformat.write(nb, tmp)
     os.replace(tmp, path)
     return time.perf_counter() - start
 
 
-def main(argv=None):
+def main(argv=None, environ=os.environ):
     parser = argparse.ArgumentParser(description="Execute lessons in place, saving their outputs.")
     parser.add_argument("notebooks", nargs="+", help="the .ipynb files")
-    parser.add_argument("--quick", action="store_true", help="quick mode (MINIVIT_QUICK=1)")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true", help="quick mode (MINIVIT_QUICK=1 in the environment too)")
+    mode.add_argument("--full", action="store_true", help="full mode, even with MINIVIT_QUICK=1 in the environment")
     args = parser.parse_args(argv)
     for name in args.notebooks:
         if not name.endswith(".ipynb") or not os.path.isfile(name):
             parser.error(f"not a notebook file: {name!r}")
+    quick, why = choose_mode(args.quick, args.full, environ)
+    label = "quick" if quick else "full"
     for name in args.notebooks:
-        seconds = execute(name, args.quick)
-        print(f"{name}: {'quick' if args.quick else 'full'} mode, {seconds:.0f} s")
+        print(f"{name}: running in {label} mode ({why}) ...", flush=True)
+        seconds = execute(name, quick)
+        print(f"{name}: {label} mode, {seconds:.0f} s, saved", flush=True)
     return 0
 
 

@@ -9,6 +9,7 @@ replace). The committed notebooks must read like the lessons, and the solutions 
 
 import ast
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -117,7 +118,12 @@ def test_with_the_stubs_every_check_says_wrong(name, monkeypatch):
     assert reports, f"{name} has no check cell"
     for i, report in reports:
         assert not report.ok, f"{name}, cell {i}: the stub passes its check:\n{report}"
-        assert report.verdict().startswith("WRONG")
+        verdict = report.verdict()
+        assert verdict.startswith("WRONG")
+        # what a notebook user can act on: no command-line flag, and each wrong gradient told once
+        assert not re.search(r"(?<![\w-])--[a-z]", verdict), f"{name}, cell {i} names a command-line flag:\n{verdict}"
+        told = [(r.op, r.what.split()[0]) for r in report.wrong() if r.what.startswith("d")]
+        assert len(told) == len(set(told)), f"{name}, cell {i} tells a wrong gradient twice:\n{verdict}"
     assert _state() == before, f"{name} left minivit changed (a replaced function not restored)"
 
 

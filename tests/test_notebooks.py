@@ -78,6 +78,43 @@ def test_every_try_next_item_has_a_short_answer(name):
     assert "TODO" not in answers, f"{name}: an answer is still a TODO"
 
 
+def _minivit_classes():
+    """{class name: [classes]} of every class defined in a minivit module."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    import minivit
+
+    classes = {}
+    for info in pkgutil.walk_packages(minivit.__path__, "minivit."):
+        try:
+            module = importlib.import_module(info.name)
+        except ImportError:                     # an optional dependency missing here
+            continue
+        for name, obj in vars(module).items():
+            if inspect.isclass(obj) and obj.__module__ == module.__name__:
+                classes.setdefault(name, []).append(obj)
+    return classes
+
+
+def test_a_method_the_lessons_point_at_is_in_that_class():
+    # "read `ViT.forward`" sends a student to a class whose body does not have it (it is Classifier's): a pointer
+    # `Class.method` in a lesson's text must name a class that defines the method itself
+    classes = _minivit_classes()
+    pointers = 0
+    for path in sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb")) + sorted(NOTEBOOKS.glob("exercises/[0-9][0-9]_*.ipynb")):
+        for i, cell in enumerate(json.loads(path.read_text(encoding="utf-8"))["cells"]):
+            if cell["cell_type"] != "markdown":
+                continue
+            for cls, attr in re.findall(r"`([A-Z]\w*)\.([a-z_]\w*)(?:\([^`]*\))?`", _source(cell)):
+                if cls in classes:
+                    pointers += 1
+                    assert any(attr in vars(c) for c in classes[cls]), \
+                        f"{path.name}, cell {i}: `{cls}.{attr}` is not in class {cls}'s body (inherited?): name the class that has it"
+    assert pointers > 0
+
+
 def test_the_index_lists_every_lesson():
     index = (NOTEBOOKS / "README.md").read_text(encoding="utf-8")
     for name in LESSONS:
