@@ -140,3 +140,123 @@ def test_the_decompression_bomb_limit_is_kept_and_named(tmp_path, monkeypatch):
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)                       # 4096 > 2 x 1000
     with pytest.raises(ValueError, match=r"big.png: 4096 pixels, more than Pillow's decompression-bomb limit"):
         read_image(tmp_path / "big.png", 8)
+
+
+# ---- 2. one run per folder ------------------------------------------------------------------------------
+
+
+def start_run(out, *flags):
+    """A real `python -m minivit.train` in the background; returns the Popen once it holds out's lock."""
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "minivit.train", *TINY_FLAGS, "--out", str(out), *flags],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lock = Path(out) / ".lock"
+    deadline = time.monotonic() + 120                 # generous: a loaded machine starts Python slowly
+    while time.monotonic() < deadline:
+        if lock.exists() and lock.read_text().strip() == str(proc.pid) and (Path(out) / "checkpoint.npz").exists():
+            return proc
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.05)
+    proc.kill()
+    raise AssertionError(f"the run into {out} never took its lock and wrote a checkpoint")
+
+
+def stop(proc):
+    """SIGTERM, as a scheduler sends: the run saves and exits 143."""
+    import signal
+
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err
+    return out
+
+
+def test_a_second_run_into_a_folder_in_use_is_refused_naming_it_and_the_pid(tmp_path):
+    from minivit import checkpoint as ckpt
+    from minivit.plot import read_metrics
+
+    out = tmp_path / "run"
+    first = start_run(out, "--max-steps", "100000", "--eval-every", "4")
+    try:
+        for extra in ([], ["--overwrite"], ["--resume"]):
+            got = python("-m", "minivit.train", *TINY_FLAGS, "--max-steps", "8", "--out", str(out), *extra)
+            assert got.returncode == 2, (extra, got.stderr)
+            assert "Traceback" not in got.stderr and len(got.stderr.strip().splitlines()) == 1
+            assert f"--out {out} is in use by another run (pid {first.pid}" in got.stderr, got.stderr
+    finally:
+        stop(first)
+    records = read_metrics(out)
+    steps = [r["step"] for r in records]
+    assert steps == list(range(4, 4 * len(steps) + 1, 4))       # one run's records, none lost or interleaved
+    saved = ckpt.load_checkpoint(out / "checkpoint.npz")["meta"]["extra"]["step"]
+    assert saved >= steps[-1]
+    assert (out / ".lock").read_text() == ""                    # released: the pid cleared
+
+    second = start_run(out, "--resume", "--max-steps", "100000")   # the same for two --resume at once
+    try:
+        got = python("-m", "minivit.train", "--out", str(out), "--resume", "--no-progress")
+        assert got.returncode == 2 and f"in use by another run (pid {second.pid}" in got.stderr, got.stderr
+    finally:
+        stop(second)
+    steps = [r["step"] for r in read_metrics(out)]
+    assert steps == sorted(set(steps)) and steps[:len(records)] == [r["step"] for r in records]
+
+
+def test_the_lock_of_a_dead_process_is_taken_over_saying_so(tmp_path, capsys):
+    from minivit.train import TrainConfig, train
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / ".lock").write_text(f"{dead.pid}\n")
+    train(TrainConfig(dataset="shapes", train_subset=64, embed_dim=16, depth=1, num_heads=2, batch_size=32,
+                      max_steps=2, progress=False, verbose=False, out=str(out)))
+    assert f"the run of pid {dead.pid} ended without releasing it (killed?); taking it over" in capsys.readouterr().out
+    assert (out / "checkpoint.npz").exists() and (out / ".lock").read_text() == ""
+
+
+def test_overwrite_keeps_the_old_run_until_the_new_one_has_a_checkpoint(tmp_path, monkeypatch, capsys):
+    import minivit.train as trainer
+    from minivit.train import TrainConfig, train
+
+    cfg = TrainConfig(dataset="shapes", train_subset=64, embed_dim=16, depth=1, num_heads=2, batch_size=32,
+                      max_steps=2, progress=False, verbose=False, out=str(tmp_path))
+    train(cfg)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.name != ".lock"}
+    assert set(before) == {"checkpoint.npz", "metrics.jsonl", "summary.json", "curves.png"}
+
+    def broken_step(*args, **kwargs):
+        raise RuntimeError("the new run fails at its first step")
+
+    monkeypatch.setattr(trainer, "train_step", broken_step)
+    with pytest.raises(RuntimeError, match="fails at its first step"):
+        train(trainer.dataclasses.replace(cfg, overwrite=True, lr=0.5))
+    assert "the run that --overwrite was to replace is back" in capsys.readouterr().out
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.name != ".lock"} == before
+    monkeypatch.undo()
+
+    train(trainer.dataclasses.replace(cfg, overwrite=True, lr=0.5))    # this one starts: the old run goes
+    assert not (tmp_path / ".replaced-run").exists()
+    assert (tmp_path / "checkpoint.npz").read_bytes() != before["checkpoint.npz"]
+
+
+def test_a_run_refused_late_leaves_no_empty_out_behind(tmp_path):
+    import minivit.train as trainer
+
+    out = tmp_path / "new"
+    cfg = trainer.TrainConfig(dataset="shapes", train_subset=64, embed_dim=16, depth=1, num_heads=2,
+                              batch_size=32, max_steps=2, progress=False, verbose=True, out=str(out))
+    real = trainer.announce_ops
+
+    def failing(*args, **kwargs):                    # a failure after the folder was made, before the first step
+        raise ValueError("late")
+
+    trainer.announce_ops = failing
+    try:
+        with pytest.raises(ValueError, match="late"):
+            trainer.train(cfg)
+    finally:
+        trainer.announce_ops = real
+    assert not out.exists()
