@@ -568,10 +568,14 @@ def train_step(model, optimizer, x, y, cfg, scaler=None, dp=None):
     return loss, correct, grad_norm
 
 
-def check_labels(data):
+def check_labels(data, num_classes=None):
     """The labels of both splits in [0, K), checked once on the host before they go to the device (the
-    training step then checks nothing: on the GPU each check would wait for the device)."""
-    K = data.num_classes
+    training step then checks nothing: on the GPU each check would wait for the device). K: the model's
+    num_classes where it has one (its head's width: a label past it would index outside the logits)."""
+    K = data.num_classes if num_classes is None else num_classes
+    if num_classes is not None and num_classes != data.num_classes:
+        raise ValueError(f"the model has {num_classes} classes and {data.name} has {data.num_classes}: give a "
+                         f"model with num_classes={data.num_classes}")
     for split, y in (("y_train", data.y_train), ("y_test", data.y_test)):
         y = numpy.asarray(y)
         if y.ndim != 1 or y.dtype.kind not in "iu":
@@ -842,6 +846,35 @@ def resume_config(cfg):
     return TrainConfig(**saved), resumed, before, applied
 
 
+def check_resumed_data(resumed, data):
+    """Refuse to resume on other data than the run's: another data set, or classes renamed, added or removed
+    (a renamed class folder would swap the labels silently). The checkpoint stores the data set's name, its
+    class names and their count; each change is named."""
+    path, extra = resumed["path"], resumed["meta"]["extra"]
+    changes = []
+    if "dataset" in extra and extra["dataset"] != data.name:
+        changes.append(f"the data set is {data.name!r}, the run's was {extra['dataset']!r}")
+    saved, now = extra.get("classes"), getattr(data, "classes", None)
+    if saved is not None and now is not None and list(saved) != list(now):
+        gone, new = [c for c in saved if c not in now], [c for c in now if c not in saved]
+        if len(gone) == len(new) and gone:
+            changes.append("classes renamed: " + ", ".join(f"{a!r} -> {b!r}" for a, b in zip(gone, new)))
+        else:
+            if new:
+                changes.append(f"classes added: {new}")
+            if gone:
+                changes.append(f"classes removed: {gone}")
+            if not new and not gone:
+                changes.append(f"the classes are in another order: {list(now)}, the run's {list(saved)}")
+    count = extra.get("num_classes", len(saved) if saved is not None else None)
+    if count is not None and now is not None and count != len(now) and not changes:
+        changes.append(f"{len(now)} classes, the run's model has {count}")
+    if changes:
+        raise ValueError(f"--resume: the data differ from those the run in {os.path.dirname(path)} trained on: "
+                         f"{'; '.join(changes)}. Resume on the run's own data, or start a new run (another --out, "
+                         f"or --overwrite)")
+
+
 def _cadence(cfg):
     if cfg.num_evals:
         return f"{cfg.num_evals} evaluations evenly spaced"
@@ -1018,6 +1051,8 @@ def set_up(cfg, model=None, data=None):
     warmup = cfg.warmup_steps if cfg.warmup_steps is not None else round((cfg.warmup_epochs or 0) * steps_per_epoch)
     schedule = WarmupCosine(cfg.lr, total_steps, warmup_steps=min(warmup, total_steps), min_lr=cfg.min_lr)
     given_model = model is not None
+    if resumed is not None:
+        check_resumed_data(resumed, data)
     model = model if given_model else build_model(cfg, data, resumed)
     model.train()                                   # a model given in eval mode would train without dropout
     model.set_matmul_dtype("float16" if cfg.precision == "float16" else None)
@@ -1028,7 +1063,7 @@ def set_up(cfg, model=None, data=None):
         restore(run, resumed, before, applied)
     if world is not None:                           # after restore: ZeRO-1 shares out the optimizer state it loaded
         run.dp = distributed.DataParallel(world, model, run.optimizer, zero=cfg.zero)
-    check_labels(data)
+    check_labels(data, None if cfg.task == "clip" else getattr(getattr(model, "config", None), "num_classes", None))
     if cfg.out is not None and run.writes:          # every setting has been checked: now the folder is touched
         run.made_out = not os.path.exists(cfg.out)
         run.lock = lock_out(cfg.out)                # refused if another run holds it; held until release_out
@@ -1202,7 +1237,7 @@ def evaluate_and_save(run):
     if run.cfg.out is not None and run.writes:      # rank 0 alone writes
         _append_jsonl(os.path.join(run.cfg.out, "metrics.jsonl"), record)
         extra = {"step": run.step, "best_val_accuracy": run.best, "train_config": dataclasses.asdict(run.cfg),
-                 "classes": run.data.classes, "mean": list(run.data.mean), "std": list(run.data.std),
+                 "classes": run.data.classes, "num_classes": len(run.data.classes), "mean": list(run.data.mean), "std": list(run.data.std),
                  "dataset": run.data.name}
         if run.scaler is not None:
             extra["loss_scaler"] = run.scaler.state_dict()

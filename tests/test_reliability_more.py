@@ -260,3 +260,49 @@ def test_a_run_refused_late_leaves_no_empty_out_behind(tmp_path):
     finally:
         trainer.announce_ops = real
     assert not out.exists()
+
+
+# ---- 3. a resume checks its data ------------------------------------------------------------------------
+
+
+def folder_run(root, out, **kw):
+    from minivit.train import TrainConfig, train
+
+    return train(TrainConfig(dataset="folder", data_dir=str(root), img_size=8, patch_size=4, embed_dim=16, depth=1,
+                             num_heads=2, batch_size=4, max_steps=2, progress=False, verbose=False, out=str(out), **kw))
+
+
+def test_resume_refuses_renamed_added_or_other_data_naming_the_change(tmp_path):
+    from minivit.train import TrainConfig, train
+
+    root = image_folder(tmp_path / "images", classes=("a", "b"), n=4)
+    out = tmp_path / "run"
+    folder_run(root, out)
+    for split in ("train", "val"):                               # a class folder renamed: labels would swap
+        (root / split / "b").rename(root / split / "c")
+    with pytest.raises(ValueError, match=r"data differ .*classes renamed: 'b' -> 'c'\. Resume on the run's own"):
+        train(TrainConfig(out=str(out), resume=True, max_steps=4, progress=False, verbose=False))
+    image_folder(root, classes=("b", "d"), n=4)                   # now a, b, c, d: two more
+    with pytest.raises(ValueError, match=r"classes added: \['c', 'd'\]"):
+        train(TrainConfig(out=str(out), resume=True, max_steps=4, progress=False, verbose=False))
+    got = python("-m", "minivit.train", "--out", str(out), "--resume", "--max-steps", "4", "--no-progress")
+    assert got.returncode == 2 and "classes added" in got.stderr and "Traceback" not in got.stderr
+
+    from minivit.data import SHAPES_CLASSES, Dataset, channel_mean_std, make_shapes
+
+    (x, y), (xt, yt) = make_shapes(64, 20, seed=1)
+    shapes = Dataset("shapes", x, y, xt, yt, list(SHAPES_CLASSES), *channel_mean_std(x))
+    with pytest.raises(ValueError, match=r"the data set is 'shapes', the run's was 'folder'"):
+        train(TrainConfig(out=str(out), resume=True, max_steps=4, progress=False, verbose=False), data=shapes)
+
+
+def test_labels_are_checked_against_the_models_class_count(tmp_path):
+    from minivit.data import SHAPES_CLASSES, Dataset, channel_mean_std, make_shapes
+    from minivit.model import ViT, ViTConfig
+    from minivit.train import TrainConfig, train
+
+    (x, y), (xt, yt) = make_shapes(64, 20, seed=1)
+    shapes = Dataset("shapes", x, y, xt, yt, list(SHAPES_CLASSES), *channel_mean_std(x))
+    model = ViT(ViTConfig(img_size=32, patch_size=8, num_classes=3, embed_dim=16, depth=1, num_heads=2))
+    with pytest.raises(ValueError, match=r"the model has 3 classes and shapes has 10"):
+        train(TrainConfig(max_steps=1, batch_size=32, progress=False, verbose=False, out=None), model=model, data=shapes)
