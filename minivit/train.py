@@ -648,7 +648,7 @@ def check_out(cfg):
                          f"replace it with --overwrite, or choose another --out")
 
 
-LOCK_FILE = ".lock"            # OUT/.lock: held (fcntl.flock) by the run writing OUT, and holding its pid
+LOCK_FILE = ".lock"            # OUT/.lock: held (fcntl.flock) by the run writing OUT, holding its pid, removed at its end
 REPLACED = ".replaced-run"     # OUT/.replaced-run/: the run --overwrite replaces, kept until the new one's first checkpoint
 
 
@@ -695,17 +695,25 @@ def lock_out(out):
     kernel dropped its lock) is taken over, saying so. Returns the lock's file descriptor (for unlock_out)."""
     import fcntl
 
-    try:
-        os.makedirs(out, exist_ok=True)
-        fd = os.open(os.path.join(out, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o666)
-    except OSError as err:
-        raise OSError(err.errno, f"--out cannot be used as the run folder: {err.strerror or err}", out) from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        pid = _lock_pid(fd)
+    path = os.path.join(out, LOCK_FILE)
+    while True:
+        try:
+            os.makedirs(out, exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+        except OSError as err:
+            raise OSError(err.errno, f"--out cannot be used as the run folder: {err.strerror or err}", out) from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            pid = _lock_pid(fd)
+            os.close(fd)
+            raise _in_use(out, pid) from None
+        try:                                      # the file locked is still the one at path (the run before
+            if os.path.samestat(os.fstat(fd), os.stat(path)):   # may have removed it meanwhile): then it is ours
+                break
+        except FileNotFoundError:
+            pass
         os.close(fd)
-        raise _in_use(out, pid) from None
     old = _lock_pid(fd)
     if old is not None and old != os.getpid():
         print(f"{os.path.join(out, LOCK_FILE)}: the run of pid {old} ended without releasing it (killed?); "
@@ -715,13 +723,14 @@ def lock_out(out):
     return fd
 
 
-def unlock_out(fd):
-    """Release lock_out's lock: the pid is cleared (the file stays: removing it would let a run that opened
-    the old file and one that creates a new one hold a lock each)."""
+def unlock_out(fd, out):
+    """Release lock_out's lock: OUT/.lock is removed while still locked (a run that opened it meanwhile sees,
+    once it holds the lock, that the file at that path is no longer the one it locked, and starts again)."""
     try:
-        os.ftruncate(fd, 0)
-    finally:
-        os.close(fd)                              # closing the last descriptor releases the flock
+        os.remove(os.path.join(out, LOCK_FILE))
+    except OSError:
+        pass                                      # the lock itself is what matters, and closing releases it
+    os.close(fd)
 
 
 def open_out(out, overwrite=False):
@@ -1023,10 +1032,9 @@ def release_out(run, failed):
         if failed and run.replaced is not None:
             settle_replaced(out, failed=True)
     finally:
-        unlock_out(run.lock)
+        unlock_out(run.lock, out)
         run.lock = None
-        if failed and run.made_out and os.listdir(out) == [LOCK_FILE]:
-            os.remove(os.path.join(out, LOCK_FILE))
+        if failed and run.made_out and not os.listdir(out):
             os.rmdir(out)
 
 

@@ -51,8 +51,7 @@ def ctrl_c_at(step):
 
 
 def files_of(folder):
-    """The run's files and their bytes (OUT/.lock, the run's lock, stays between runs: test_reliability_more.py)."""
-    return {name: (Path(folder) / name).read_bytes() for name in sorted(os.listdir(folder)) if name != ".lock"}
+    return {name: (Path(folder) / name).read_bytes() for name in sorted(os.listdir(folder))}
 
 
 def mode(path):
