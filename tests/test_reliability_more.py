@@ -191,7 +191,7 @@ def test_a_second_run_into_a_folder_in_use_is_refused_naming_it_and_the_pid(tmp_
     assert steps == list(range(4, 4 * len(steps) + 1, 4))       # one run's records, none lost or interleaved
     saved = ckpt.load_checkpoint(out / "checkpoint.npz")["meta"]["extra"]["step"]
     assert saved >= steps[-1]
-    assert (out / ".lock").read_text() == ""                    # released: the pid cleared
+    assert not (out / ".lock").exists()                         # released
 
     second = start_run(out, "--resume", "--max-steps", "100000")   # the same for two --resume at once
     try:
@@ -214,7 +214,7 @@ def test_the_lock_of_a_dead_process_is_taken_over_saying_so(tmp_path, capsys):
     train(TrainConfig(dataset="shapes", train_subset=64, embed_dim=16, depth=1, num_heads=2, batch_size=32,
                       max_steps=2, progress=False, verbose=False, out=str(out)))
     assert f"the run of pid {dead.pid} ended without releasing it (killed?); taking it over" in capsys.readouterr().out
-    assert (out / "checkpoint.npz").exists() and (out / ".lock").read_text() == ""
+    assert (out / "checkpoint.npz").exists() and not (out / ".lock").exists()
 
 
 def test_overwrite_keeps_the_old_run_until_the_new_one_has_a_checkpoint(tmp_path, monkeypatch, capsys):
@@ -224,7 +224,7 @@ def test_overwrite_keeps_the_old_run_until_the_new_one_has_a_checkpoint(tmp_path
     cfg = TrainConfig(dataset="shapes", train_subset=64, embed_dim=16, depth=1, num_heads=2, batch_size=32,
                       max_steps=2, progress=False, verbose=False, out=str(tmp_path))
     train(cfg)
-    before = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.name != ".lock"}
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
     assert set(before) == {"checkpoint.npz", "metrics.jsonl", "summary.json", "curves.png"}
 
     def broken_step(*args, **kwargs):
@@ -234,7 +234,7 @@ def test_overwrite_keeps_the_old_run_until_the_new_one_has_a_checkpoint(tmp_path
     with pytest.raises(RuntimeError, match="fails at its first step"):
         train(trainer.dataclasses.replace(cfg, overwrite=True, lr=0.5))
     assert "the run that --overwrite was to replace is back" in capsys.readouterr().out
-    assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.name != ".lock"} == before
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
     monkeypatch.undo()
 
     train(trainer.dataclasses.replace(cfg, overwrite=True, lr=0.5))    # this one starts: the old run goes
@@ -306,3 +306,65 @@ def test_labels_are_checked_against_the_models_class_count(tmp_path):
     model = ViT(ViTConfig(img_size=32, patch_size=8, num_classes=3, embed_dim=16, depth=1, num_heads=2))
     with pytest.raises(ValueError, match=r"the model has 3 classes and shapes has 10"):
         train(TrainConfig(max_steps=1, batch_size=32, progress=False, verbose=False, out=None), model=model, data=shapes)
+
+
+# ---- 4. checkpoint metadata is checked before it is used ------------------------------------------------
+
+
+def rewrite_checkpoint(path, edit_meta=None, **arrays):
+    """Edit a checkpoint by hand, as a user might: its metadata and any of its arrays."""
+    import json
+
+    with np.load(path) as npz:
+        entries = {k: npz[k] for k in npz.files}
+    meta = json.loads(str(entries["meta"]))
+    if edit_meta is not None:
+        edit_meta(meta)
+    entries.update(meta=np.array(json.dumps(meta)), **arrays)
+    np.savez(path, **entries)
+
+
+def _set(path, value):
+    def edit(meta):
+        *keys, last = path
+        d = meta
+        for k in keys:
+            d = d[k]
+        d[last] = value
+    return edit
+
+
+BAD_META = {
+    "step 3.5": (_set(["extra", "step"], 3.5), {}, r"extra\['step'\] \(the optimizer steps done\) must be an int >= 0, got 3.5"),
+    "step '7'": (_set(["extra", "step"], "7"), {}, r"extra\['step'\] .* must be an int >= 0, got '7'"),
+    "classes": (_set(["extra", "classes"], ["a", "b"]), {}, r"extra\['classes'\] names 2 classes, and the model has 10"),
+    "classes str": (_set(["extra", "classes"], "abc"), {}, r"extra\['classes'\] must be a list of class names"),
+    "extra": (_set(["extra"], [1, 2]), {}, r"the metadata's 'extra' must be a dict, got \[1, 2\]"),
+    "strings": (None, {"param/head.bias": np.array(["x"] * 10)}, r"the array 'param/head.bias' holds <U1 values"),
+    "huge": (_set(["config", "embed_dim"], 1 << 20), {}, r"describes a model of at least 4,398,046,511,104 parameters"),
+    "optimizer step": (_set(["optimizer", "step"], 2.5), {}, r"the optimizer's 'step' must be an int >= 0"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_META))
+def test_bad_checkpoint_metadata_is_refused_in_one_line_before_any_file_is_touched(tmp_path, case, capsys):
+    from minivit import predict
+    from minivit.train import TrainConfig, main, train
+
+    edit, arrays, match = BAD_META[case]
+    out = tmp_path / "run"
+    train(TrainConfig(dataset="shapes", train_subset=64, embed_dim=16, depth=1, num_heads=2, batch_size=32,
+                      max_steps=4, eval_every=2, progress=False, verbose=False, out=str(out)))
+    rewrite_checkpoint(out / "checkpoint.npz", edit, **arrays)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    capsys.readouterr()
+    assert main(["--out", str(out), "--resume", "--max-steps", "8", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "checkpoint.npz" in err
+    import re
+
+    assert re.search(match, err), err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before      # metrics.jsonl untouched
+    save_png(tmp_path / "x.png", np.zeros((32, 32, 3), np.uint8))
+    assert predict.main([str(tmp_path / "x.png"), "--checkpoint", str(out)]) == 2
+    assert re.search(match, capsys.readouterr().err)
