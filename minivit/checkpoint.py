@@ -233,13 +233,16 @@ def check_meta(path, meta, params, arrays):
                          f"{vit.num_classes} outputs (an edited or damaged file: use another checkpoint)")
 
 
-def check_finite(params, where):
-    """Refuse parameters holding NaN or infinity (a diverged run), naming them: a ValueError."""
+DIVERGED = "the run that wrote it had diverged. Use an earlier checkpoint, or train again with a lower --lr"
+
+
+def check_finite(params, where, what="parameters", advice=DIVERGED):
+    """Refuse arrays holding NaN or infinity (a diverged run, a damaged file), naming them: a ValueError.
+    what: what the arrays are; advice: what to do, said after."""
     bad = [name for name, value in params.items() if not numpy.isfinite(value).all()]
     if bad:
         shown = ", ".join(bad[:4]) + (f" and {len(bad) - 4} more" if len(bad) > 4 else "")
-        raise ValueError(f"{where}: {len(bad)} parameters hold NaN or infinite values ({shown}); the run that "
-                         f"wrote it had diverged. Use an earlier checkpoint, or train again with a lower --lr")
+        raise ValueError(f"{where}: {len(bad)} {what} hold NaN or infinite values ({shown}); {advice}")
 
 
 def restore_dropout_rngs(model, states):

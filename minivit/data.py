@@ -20,6 +20,7 @@ import io
 import os
 import pickle
 import re
+import stat
 import tarfile
 from dataclasses import dataclass
 
@@ -404,6 +405,14 @@ def read_image(path, img_size, mode="RGB"):
     H, W = _check_img_size(img_size)
     if mode not in ("RGB", "L"):
         raise ValueError(f"mode must be 'RGB' or 'L', got {mode!r}")
+    try:                                    # a FIFO, socket or device would block open() or never end
+        kind = os.stat(path).st_mode
+    except OSError as err:
+        raise ValueError(f"{path}: not a readable image ({err.strerror or err})") from None
+    if not stat.S_ISREG(kind):
+        what = {stat.S_IFIFO: "a FIFO", stat.S_IFSOCK: "a socket", stat.S_IFCHR: "a character device",
+                stat.S_IFBLK: "a block device", stat.S_IFDIR: "a folder"}.get(stat.S_IFMT(kind), "not a file")
+        raise ValueError(f"{path}: {what}, not an image file: remove it or move it out of the image folder")
     try:
         with Image.open(path, formats=IMAGE_FORMATS) as im:
             im = ImageOps.exif_transpose(im)  # decoded, upright as a viewer shows it (a copy: outlives the file)

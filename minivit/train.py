@@ -828,6 +828,9 @@ def resume_config(cfg):
         raise ValueError(f"{ckpt_path!r} holds no training state to resume (no {', '.join(missing)}): "
                          f"was it written by minivit.train?")
     check_finite(resumed["params"], repr(ckpt_path))
+    check_finite({f"optim/{kind}/{name}": buf for kind, buffers in resumed["optimizer"]["buffers"].items()
+                  for name, buf in buffers.items()}, repr(ckpt_path), "optimizer buffers",
+                 "a damaged or edited file: resume from another checkpoint, or start a new run")
     fields = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
     saved = {k: tuple(v) if isinstance(v, list) else v for k, v in extra["train_config"].items()
              if k in fields}                             # JSON made img_size a list; older runs may have more keys
@@ -1138,6 +1141,10 @@ def load_run_data(cfg, data=None):
         n = cfg.train_subset
         data = dataclasses.replace(data, x_train=data.x_train[:n], y_train=data.y_train[:n],
                                    **({"text_train": data.text_train[:n]} if hasattr(data, "text_train") else {}))
+    if cfg.task != "clip" and data.num_classes < 2:
+        where = f" in {os.path.join(cfg.data_dir, 'train')}" if cfg.dataset == "folder" and cfg.data_dir else ""
+        raise ValueError(f"{data.name} has {data.num_classes} class{where} ({data.classes}): a classifier needs at "
+                         f"least two (one folder per class)")
     if data.x_train.shape[0] < cfg.batch_size:
         raise ValueError(f"batch_size {cfg.batch_size} is larger than the {data.x_train.shape[0]} training images")
     return cfg, data

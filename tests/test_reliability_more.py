@@ -368,3 +368,60 @@ def test_bad_checkpoint_metadata_is_refused_in_one_line_before_any_file_is_touch
     save_png(tmp_path / "x.png", np.zeros((32, 32, 3), np.uint8))
     assert predict.main([str(tmp_path / "x.png"), "--checkpoint", str(out)]) == 2
     assert re.search(match, capsys.readouterr().err)
+
+
+# ---- 6. non-finite weights, 9. non-files in an image folder, 10. small ones -----------------------------
+
+
+def test_non_finite_weights_are_refused_by_from_pretrained_init_and_in_the_optimizer_state(tmp_path, capsys):
+    import minivit
+    from minivit.train import TrainConfig, main, train
+
+    out = tmp_path / "run"
+    train(TrainConfig(dataset="shapes", train_subset=64, embed_dim=16, depth=1, num_heads=2, batch_size=32,
+                      max_steps=2, progress=False, verbose=False, out=str(out)))
+    ckpt = out / "checkpoint.npz"
+    with np.load(ckpt) as npz:
+        bias, moment = npz["param/head.bias"].copy(), npz["optim/exp_avg/head.bias"].copy()
+    moment[0] = np.inf
+    rewrite_checkpoint(ckpt, **{"optim/exp_avg/head.bias": moment})
+    capsys.readouterr()
+    assert main(["--out", str(out), "--resume", "--max-steps", "4", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "1 optimizer buffers hold NaN or infinite values (optim/exp_avg/head.bias)" in err and str(ckpt) in err
+
+    bias[0] = np.nan
+    rewrite_checkpoint(ckpt, **{"param/head.bias": bias})
+    with pytest.raises(ValueError, match=r"checkpoint.npz'?: 1 parameters hold NaN .*\(head.bias\); a damaged file"):
+        minivit.from_pretrained(ckpt)
+    assert main([*TINY_FLAGS, "--max-steps", "2", "--init", str(ckpt), "--out", str(tmp_path / "ft")]) == 2
+    err = capsys.readouterr().err
+    assert "head.bias" in err and "lower --lr" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_fifo_in_an_image_folder_is_refused_by_name_not_waited_on(tmp_path):
+    from minivit.data import load_image_folder, read_image
+
+    root = image_folder(tmp_path, n=2)
+    os.mkfifo(root / "train" / "a" / "pipe.png")
+    with pytest.raises(ValueError, match=r"pipe.png: a FIFO, not an image file: remove it"):
+        load_image_folder(root, 8)
+    with pytest.raises(ValueError, match=r"pipe.png: a FIFO"):
+        read_image(root / "train" / "a" / "pipe.png", 8)                # what predict reads
+
+
+def test_a_metrics_line_that_is_not_an_object_is_named(tmp_path):
+    from minivit.plot import read_metrics
+
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n[1, 2, 3]\n{"step": 2}\n')
+    with pytest.raises(ValueError, match=r"metrics.jsonl: line 2 is list '\[1, 2, 3\]', expected a JSON object"):
+        read_metrics(tmp_path)
+
+
+def test_a_one_class_folder_is_refused(tmp_path, capsys):
+    from minivit.train import main
+
+    root = image_folder(tmp_path / "images", classes=("only",), n=4)
+    assert main(["--dataset", "folder", "--data-dir", str(root), "--max-steps", "1", "--batch-size", "2",
+                 "--no-progress", "--out", str(tmp_path / "run")]) == 2
+    assert "folder has 1 class in" in capsys.readouterr().err and not (tmp_path / "run").exists()
