@@ -261,8 +261,8 @@ def resolve(cfg):
         raise ValueError(f"recipe {cfg.recipe!r} is one of --task {recipe_task}, not --task {cfg.task}")
     values = dataclasses.asdict(cfg)
     steps_only = cfg.max_steps is not None and cfg.epochs is None   # max_steps alone: exactly that many
-    for key, value in RECIPES[cfg.recipe].items():
-        if values.get(key) is None and not (key == "epochs" and steps_only):
+    for key, value in RECIPES[cfg.recipe].items():      # (with --init the model's shape is the checkpoint's)
+        if values.get(key) is None and not (key == "epochs" and steps_only) and not (cfg.init and key in MODEL_FIELDS):
             values[key] = value
     for key, value in BASE.items():                                # then what no recipe sets
         if values[key] is None:
@@ -403,6 +403,12 @@ def build_model(cfg, data, resumed=None):
 
         model = from_pretrained(cfg.init, num_classes=data.num_classes, img_size=overrides["img_size"],
                                 gelu=cfg.init_gelu, seed=cfg.seed, dtype=cfg.dtype, new_head=cfg.new_head)
+        differ = [f"{_flag(k)} {getattr(cfg, k)!r} (the checkpoint's: {getattr(model.config, k)!r})"
+                  for k in MODEL_FIELDS if k != "img_size" and getattr(cfg, k) is not None
+                  and getattr(cfg, k) != getattr(model.config, k)]
+        if differ:
+            raise ValueError(f"--init {cfg.init} builds the checkpoint's model, and these flags ask for another: "
+                             f"{'; '.join(differ)}. Leave them out (only --img-size changes a checkpoint's model)")
         return model
     return create_model(cfg.model, seed=cfg.seed, dtype=cfg.dtype, **overrides)
 
@@ -1065,6 +1071,8 @@ def set_up(cfg, model=None, data=None):
     if resumed is not None:
         check_resumed_data(resumed, data)
     model = model if given_model else build_model(cfg, data, resumed)
+    if cfg.init and not given_model:                # record the model's real shape, the checkpoint's
+        cfg = dataclasses.replace(cfg, **{k: getattr(model.config, k) for k in MODEL_FIELDS})
     model.train()                                   # a model given in eval mode would train without dropout
     model.set_matmul_dtype("float16" if cfg.precision == "float16" else None)
     scaler = LossScaler() if cfg.precision == "float16" else None

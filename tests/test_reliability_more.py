@@ -425,3 +425,27 @@ def test_a_one_class_folder_is_refused(tmp_path, capsys):
     assert main(["--dataset", "folder", "--data-dir", str(root), "--max-steps", "1", "--batch-size", "2",
                  "--no-progress", "--out", str(tmp_path / "run")]) == 2
     assert "folder has 1 class in" in capsys.readouterr().err and not (tmp_path / "run").exists()
+
+
+# ---- 5. --init and the model-shape flags ----------------------------------------------------------------
+
+
+def test_init_refuses_model_shape_flags_by_name_and_records_the_real_config(tmp_path, capsys):
+    import json
+
+    from minivit.train import main
+
+    pre = tmp_path / "pre"
+    assert main([*TINY_FLAGS, "--max-steps", "2", "--out", str(pre)]) == 0
+    capsys.readouterr()
+    assert main([*TINY_FLAGS, "--max-steps", "2", "--init", str(pre / "checkpoint.npz"), "--depth", "3",
+                 "--out", str(tmp_path / "ft")]) == 2
+    err = capsys.readouterr().err
+    assert "--depth 3 (the checkpoint's: 1)" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "ft").exists()
+    flags = ["--dataset", "shapes", "--train-subset", "256", "--batch-size", "32", "--no-progress"]   # demo recipe:
+    assert main([*flags, "--max-steps", "2", "--init", str(pre / "checkpoint.npz"),                 # D 64, depth 4
+                 "--out", str(tmp_path / "ft")]) == 0
+    summary = json.loads((tmp_path / "ft" / "summary.json").read_text())
+    assert summary["train_config"]["embed_dim"] == 16 and summary["train_config"]["depth"] == 1
+    assert summary["config"]["embed_dim"] == 16
