@@ -12,8 +12,10 @@ temporary file that a SIGKILL left behind is named like ``.checkpoint-1a2b3c4d.n
 remove_stale_temporaries(folder) deletes them (the trainer does at the start of each run).
 """
 
+import dataclasses
 import glob
 import json
+import math
 import os
 import secrets
 import zipfile
@@ -21,7 +23,7 @@ import zipfile
 import numpy
 
 from .layers import Dropout
-from .model import ViT, ViTConfig
+from .model import DTYPES, ViT, ViTConfig, param_shapes
 
 FORMAT = "minivit-checkpoint-1"
 
@@ -128,12 +130,10 @@ def load_checkpoint(path):
         found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
         raise ValueError(f"{path!r} has format {found!r}, expected {FORMAT!r}")
     params = {k[len("param/"):]: v for k, v in arrays.items() if k.startswith("param/")}
+    check_meta(path, meta, params, arrays)
     optimizer = None
     if "optimizer" in meta:
         o = meta["optimizer"]
-        missing = [k for k in ("type", "step", "hyperparams") if k not in o]
-        if missing:
-            raise ValueError(f"{path!r}: the optimizer state in its metadata lacks {missing} (an edited file?)")
         buffers = {kind: {} for kind in o.get("kinds", [])}
         for k, v in arrays.items():
             if k.startswith("optim/"):
@@ -146,13 +146,103 @@ def load_checkpoint(path):
     return {"meta": meta, "params": params, "optimizer": optimizer, "path": path}
 
 
-def check_finite(params, where):
-    """Refuse parameters holding NaN or infinity (a diverged run), naming them: a ValueError."""
+def _is_int(value):
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value):
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and numpy.isfinite(value)
+
+
+def check_meta(path, meta, params, arrays):
+    """Every part of a checkpoint's metadata, and the kind of each array, checked before any of it is used
+    (nothing is built, allocated or written from an unchecked value): a ValueError naming the file, the
+    entry and what was expected. A ViT's config must describe exactly the parameter arrays the file holds,
+    so that a config edited to a huge model is refused before the model is allocated."""
+    def bad(what, expected, value):
+        shown = repr(value) if len(repr(value)) < 80 else repr(value)[:77] + "..."
+        return ValueError(f"{path!r}: {what} must be {expected}, got {shown} (an edited or damaged file: use "
+                          f"another checkpoint)")
+
+    for key, value in arrays.items():
+        if key != "meta" and value.dtype.kind != "f":
+            raise ValueError(f"{path!r}: the array {key!r} holds {value.dtype} values, expected floating-point "
+                             f"numbers (an edited or damaged file: use another checkpoint)")
+    config = meta.get("config")
+    if not isinstance(config, dict):
+        raise bad("the metadata's 'config'", "a dict", config)
+    if "dtype" in meta and meta["dtype"] not in DTYPES:
+        raise bad("the metadata's 'dtype'", f"one of {DTYPES}", meta["dtype"])
+    for key in ("extra", "dropout_rng", "optimizer"):
+        if key in meta and not isinstance(meta[key], dict):
+            raise bad(f"the metadata's {key!r}", "a dict", meta[key])
+    extra = meta.get("extra") or {}
+    if "step" in extra and not (_is_int(extra["step"]) and extra["step"] >= 0):
+        raise bad("extra['step'] (the optimizer steps done)", "an int >= 0", extra["step"])
+    if "best_val_accuracy" in extra and not (_is_number(extra["best_val_accuracy"])
+                                             and 0 <= extra["best_val_accuracy"] <= 1):
+        raise bad("extra['best_val_accuracy']", "a number in [0, 1]", extra["best_val_accuracy"])
+    for key in ("train_config", "loss_scaler"):
+        if key in extra and not isinstance(extra[key], dict):
+            raise bad(f"extra[{key!r}]", "a dict", extra[key])
+    if "dataset" in extra and not isinstance(extra["dataset"], str):
+        raise bad("extra['dataset']", "a str", extra["dataset"])
+    classes = extra.get("classes")
+    if classes is not None and not (isinstance(classes, list) and all(isinstance(c, str) for c in classes)):
+        raise bad("extra['classes']", "a list of class names (str)", classes)
+    if "num_classes" in extra and not (_is_int(extra["num_classes"]) and extra["num_classes"] >= 1):
+        raise bad("extra['num_classes']", "an int >= 1", extra["num_classes"])
+    for key in ("mean", "std"):
+        if key in extra and not (isinstance(extra[key], list) and all(_is_number(v) for v in extra[key])):
+            raise bad(f"extra[{key!r}]", "a list of numbers", extra[key])
+    if "optimizer" in meta:
+        o = meta["optimizer"]
+        missing = [k for k in ("type", "step", "hyperparams") if k not in o]
+        if missing:
+            raise ValueError(f"{path!r}: the optimizer state in its metadata lacks {missing} (an edited file?)")
+        if not isinstance(o["type"], str):
+            raise bad("the optimizer's 'type'", "a str", o["type"])
+        if not (_is_int(o["step"]) and o["step"] >= 0):
+            raise bad("the optimizer's 'step'", "an int >= 0", o["step"])
+        if not isinstance(o["hyperparams"], dict):
+            raise bad("the optimizer's 'hyperparams'", "a dict", o["hyperparams"])
+        if not (isinstance(o.get("kinds", []), list) and all(isinstance(k, str) for k in o.get("kinds", []))):
+            raise bad("the optimizer's 'kinds'", "a list of str", o.get("kinds"))
+        for key in arrays:
+            if key.startswith("optim/") and key.count("/") < 2:
+                raise ValueError(f"{path!r}: the array {key!r} is named like no optimizer buffer (optim/<kind>/<name>)")
+    if not set(config) <= {f.name for f in dataclasses.fields(ViTConfig)}:
+        return                                       # another model's config (a CLIP, a ResNet): its class checks it
+    try:
+        vit = ViTConfig.from_dict(config)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{path!r}: the saved model config is not valid ({err})") from None
+    # The config must not describe a model far larger than the arrays the file holds (an edited config would
+    # allocate it before load_state_dict compares them). Larger, not different: a student's model may add or
+    # drop a parameter and still be saved and loaded. The qkv and proj weights alone first, in closed form.
+    stored = sum(int(v.size) for v in params.values())
+    limit = 2 * stored + 1_000_000
+    claimed = vit.depth * 4 * vit.embed_dim ** 2
+    if claimed <= limit:
+        claimed = sum(math.prod(shape) for shape in param_shapes(vit).values())
+    if claimed > limit:
+        raise ValueError(f"{path!r}: the saved model config describes a model of at least {claimed:,} parameters, "
+                         f"and the file holds {stored:,} (an edited or damaged file: use another checkpoint)")
+    if classes is not None and len(classes) != vit.num_classes:
+        raise ValueError(f"{path!r}: extra['classes'] names {len(classes)} classes, and the model has "
+                         f"{vit.num_classes} outputs (an edited or damaged file: use another checkpoint)")
+
+
+DIVERGED = "the run that wrote it had diverged. Use an earlier checkpoint, or train again with a lower --lr"
+
+
+def check_finite(params, where, what="parameters", advice=DIVERGED):
+    """Refuse arrays holding NaN or infinity (a diverged run, a damaged file), naming them: a ValueError.
+    what: what the arrays are; advice: what to do, said after."""
     bad = [name for name, value in params.items() if not numpy.isfinite(value).all()]
     if bad:
         shown = ", ".join(bad[:4]) + (f" and {len(bad) - 4} more" if len(bad) > 4 else "")
-        raise ValueError(f"{where}: {len(bad)} parameters hold NaN or infinite values ({shown}); the run that "
-                         f"wrote it had diverged. Use an earlier checkpoint, or train again with a lower --lr")
+        raise ValueError(f"{where}: {len(bad)} {what} hold NaN or infinite values ({shown}); {advice}")
 
 
 def restore_dropout_rngs(model, states):

@@ -32,7 +32,7 @@ import zipfile
 import numpy
 
 from .backend import to_numpy
-from .checkpoint import load_checkpoint
+from .checkpoint import check_finite, load_checkpoint
 from .layers import resize_pos_embed
 from .model import ViT, ViTConfig, param_shapes
 
@@ -626,6 +626,8 @@ def from_pretrained(path, num_classes=None, img_size=None, num_heads=None, gelu=
     """
     config, state = load_checkpoint_file(path, num_heads=num_heads, img_size=checkpoint_img_size,
                                          gelu=gelu, num_classes=num_classes, verbose=verbose)
+    check_finite(state, repr(os.fspath(path)), advice="a damaged file, or one saved from a diverged run: use "
+                                                       "another copy of the weights")
     if img_size is not None:
         config, state = resize_state_dict(config, state, img_size)
     model = ViT(config, seed=seed, dtype=dtype).load_state_dict(state)

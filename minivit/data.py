@@ -19,6 +19,8 @@ import hashlib
 import io
 import os
 import pickle
+import re
+import stat
 import tarfile
 from dataclasses import dataclass
 
@@ -327,7 +329,7 @@ def load_fashion_mnist(root=None, verify=True):
 # An image folder: root/train/<class>/*.png, root/val/<class>/*.jpg (torchvision's ImageFolder layout)
 # ---------------------------------------------------------------------------------------------------
 
-IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp")
+IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm")
 
 
 def _check_img_size(img_size):
@@ -365,29 +367,71 @@ def _image_files(class_dir):
     return paths
 
 
+# The formats an image is opened in, and no other: Pillow would otherwise open EPS, PS and PDF files by their
+# content (whatever their name) and run Ghostscript on them, a program from outside this project.
+IMAGE_FORMATS = ("PNG", "JPEG", "BMP", "GIF", "TIFF", "WEBP", "PPM")
+
+
+def _to_8_bits(im, path):
+    """A Pillow image of a wide mode (16-bit, 32-bit integer, float) as an 8-bit grey one, the full range
+    mapped onto 0..255: 16-bit 0..65535 (a 32-bit integer image with values in that range is 16-bit data),
+    float 0..1. Other values are refused by name: there is no telling what they mean."""
+    from PIL import Image
+
+    wide = numpy.asarray(im).astype(numpy.float64)  # (h, w)
+    low, high = (float(wide.min()), float(wide.max())) if wide.size else (0.0, 0.0)
+    if im.mode == "F":
+        if not (numpy.isfinite(wide).all() and 0.0 <= low and high <= 1.0):
+            raise ValueError(f"{path}: a float image (mode F) with values up to {high:g} (from {low:g}); minivit "
+                             f"reads float images in 0..1 only: save it as 8- or 16-bit")
+        scaled = wide * 255.0
+    else:
+        if low < 0 or high > 65535:
+            raise ValueError(f"{path}: a 32-bit integer image (mode {im.mode}) with values from {low:g} to {high:g}; "
+                             f"minivit reads integer images in 0..65535 only: save it as 8- or 16-bit")
+        scaled = wide / 257.0  # 65535 -> 255
+    return Image.fromarray(numpy.rint(scaled).clip(0, 255).astype(numpy.uint8))
+
+
 def read_image(path, img_size, mode="RGB"):
-    """One image file as uint8 (H, W, 3): converted to RGB (grey, palette, alpha dropped) and resized
-    with bicubic interpolation to img_size = (H, W); with mode="L", grey (H, W, 1). 16-bit grey images
-    are scaled to 8 bits (65535 -> 255), not clipped. A ValueError names a file Pillow cannot read, or
-    one too large to decode safely (Pillow's decompression-bomb limit, Image.MAX_IMAGE_PIXELS)."""
-    from PIL import Image  # imported here: only the folder data set and predict need Pillow
+    """One image file as uint8 (H, W, 3): turned upright by its EXIF orientation, converted to RGB (grey,
+    palette, alpha dropped) and resized with bicubic interpolation to img_size = (H, W); with mode="L",
+    grey (H, W, 1). Only IMAGE_FORMATS are opened (never EPS, PS or PDF, whose decoder runs Ghostscript).
+    16-bit and 32-bit integer grey images are scaled to 8 bits (65535 -> 255), float ones from 0..1; other
+    values are refused. A ValueError names a file that cannot be read, or one larger than Pillow's
+    decompression-bomb limit (Image.MAX_IMAGE_PIXELS). The one reader of the folder data set and predict."""
+    from PIL import Image, ImageOps  # imported here: only the folder data set and predict need Pillow
 
     H, W = _check_img_size(img_size)
     if mode not in ("RGB", "L"):
         raise ValueError(f"mode must be 'RGB' or 'L', got {mode!r}")
+    try:                                    # a FIFO, socket or device would block open() or never end
+        kind = os.stat(path).st_mode
+    except OSError as err:
+        raise ValueError(f"{path}: not a readable image ({err.strerror or err})") from None
+    if not stat.S_ISREG(kind):
+        what = {stat.S_IFIFO: "a FIFO", stat.S_IFSOCK: "a socket", stat.S_IFCHR: "a character device",
+                stat.S_IFBLK: "a block device", stat.S_IFDIR: "a folder"}.get(stat.S_IFMT(kind), "not a file")
+        raise ValueError(f"{path}: {what}, not an image file: remove it or move it out of the image folder")
     try:
-        with Image.open(path) as im:
-            if im.mode.startswith("I;16") or im.mode == "I":   # 16-bit grey: Pillow's convert would clip at 255
-                wide = numpy.asarray(im).astype(numpy.float64)  # (h, w) in 0..65535
-                im = Image.fromarray(numpy.rint(wide / 257.0).clip(0, 255).astype(numpy.uint8))
-            im = im.convert(mode)
-            if im.size != (W, H):  # Pillow sizes are (width, height)
-                im = im.resize((W, H), Image.Resampling.BICUBIC)
-            arr = numpy.asarray(im, dtype=numpy.uint8)  # (H, W, 3), or (H, W) for "L"
+        with Image.open(path, formats=IMAGE_FORMATS) as im:
+            im = ImageOps.exif_transpose(im)  # decoded, upright as a viewer shows it (a copy: outlives the file)
     except Image.DecompressionBombError as err:
-        raise ValueError(f"{path}: too large to decode safely ({err})") from None
-    except (OSError, ValueError, SyntaxError) as err:  # UnidentifiedImageError is an OSError
+        pixels = re.search(r"\((\d+) pixels\)", str(err))
+        raise ValueError(f"{path}: {pixels.group(1) if pixels else 'too many'} pixels, more than Pillow's "
+                         f"decompression-bomb limit (2 x PIL.Image.MAX_IMAGE_PIXELS = {2 * Image.MAX_IMAGE_PIXELS}); "
+                         f"shrink the image, or raise that limit if you trust the file") from None
+    except Image.UnidentifiedImageError:
+        raise ValueError(f"{path}: not an image in a format minivit reads ({', '.join(IMAGE_FORMATS)}); EPS, PS "
+                         f"and PDF are never opened (their decoder runs Ghostscript): convert it to PNG") from None
+    except (OSError, ValueError, SyntaxError) as err:
         raise ValueError(f"{path}: not a readable image ({err})") from None
+    if im.mode.startswith("I") or im.mode == "F":  # wide grey: Pillow's convert would clip at 255
+        im = _to_8_bits(im, path)
+    im = im.convert(mode)
+    if im.size != (W, H):  # Pillow sizes are (width, height)
+        im = im.resize((W, H), Image.Resampling.BICUBIC)
+    arr = numpy.asarray(im, dtype=numpy.uint8)  # (H, W, 3), or (H, W) for "L"
     return arr[..., None] if arr.ndim == 2 else arr  # (H, W, C)
 
 
@@ -405,7 +449,7 @@ def load_image_folder(root, img_size):
     """An image classification set laid out as root/train/<class>/*.png and root/val/<class>/*.jpg.
 
     root: the folder. img_size: int or (H, W), every image is resized (bicubic) to it.
-    Files ending in .png .jpg .jpeg .bmp .gif .webp (any case) are read with Pillow and converted to RGB.
+    Files ending in IMAGE_EXTENSIONS (any case) are read with read_image (IMAGE_FORMATS only) and converted to RGB.
     Classes are the train sub-folders sorted by name; val classes must be among them.
     Returns ((x_train, y_train), (x_val, y_val)), classes: uint8 (N, H, W, 3), int64 (N,), ... and a list.
     """

@@ -25,7 +25,11 @@ def read_metrics(out_dir, kind="eval"):
     records = []
     for i, line in lines:
         try:
-            records.append(json.loads(line))
+            record = json.loads(line)
+            if not isinstance(record, dict):
+                raise ValueError(f"{path}: line {i} is {type(record).__name__} {line.strip()[:40]!r}, expected a "
+                                 f"JSON object (a record written by minivit.train)")
+            records.append(record)
         except json.JSONDecodeError as err:
             if i != lines[-1][0]:
                 raise ValueError(f"{path}: line {i} is not a JSON record ({err})") from None

@@ -261,8 +261,8 @@ def resolve(cfg):
         raise ValueError(f"recipe {cfg.recipe!r} is one of --task {recipe_task}, not --task {cfg.task}")
     values = dataclasses.asdict(cfg)
     steps_only = cfg.max_steps is not None and cfg.epochs is None   # max_steps alone: exactly that many
-    for key, value in RECIPES[cfg.recipe].items():
-        if values.get(key) is None and not (key == "epochs" and steps_only):
+    for key, value in RECIPES[cfg.recipe].items():      # (with --init the model's shape is the checkpoint's)
+        if values.get(key) is None and not (key == "epochs" and steps_only) and not (cfg.init and key in MODEL_FIELDS):
             values[key] = value
     for key, value in BASE.items():                                # then what no recipe sets
         if values[key] is None:
@@ -403,6 +403,12 @@ def build_model(cfg, data, resumed=None):
 
         model = from_pretrained(cfg.init, num_classes=data.num_classes, img_size=overrides["img_size"],
                                 gelu=cfg.init_gelu, seed=cfg.seed, dtype=cfg.dtype, new_head=cfg.new_head)
+        differ = [f"{_flag(k)} {getattr(cfg, k)!r} (the checkpoint's: {getattr(model.config, k)!r})"
+                  for k in MODEL_FIELDS if k != "img_size" and getattr(cfg, k) is not None
+                  and getattr(cfg, k) != getattr(model.config, k)]
+        if differ:
+            raise ValueError(f"--init {cfg.init} builds the checkpoint's model, and these flags ask for another: "
+                             f"{'; '.join(differ)}. Leave them out (only --img-size changes a checkpoint's model)")
         return model
     return create_model(cfg.model, seed=cfg.seed, dtype=cfg.dtype, **overrides)
 
@@ -568,10 +574,14 @@ def train_step(model, optimizer, x, y, cfg, scaler=None, dp=None):
     return loss, correct, grad_norm
 
 
-def check_labels(data):
+def check_labels(data, num_classes=None):
     """The labels of both splits in [0, K), checked once on the host before they go to the device (the
-    training step then checks nothing: on the GPU each check would wait for the device)."""
-    K = data.num_classes
+    training step then checks nothing: on the GPU each check would wait for the device). K: the model's
+    num_classes where it has one (its head's width: a label past it would index outside the logits)."""
+    K = data.num_classes if num_classes is None else num_classes
+    if num_classes is not None and num_classes != data.num_classes:
+        raise ValueError(f"the model has {num_classes} classes and {data.name} has {data.num_classes}: give a "
+                         f"model with num_classes={data.num_classes}")
     for split, y in (("y_train", data.y_train), ("y_test", data.y_test)):
         y = numpy.asarray(y)
         if y.ndim != 1 or y.dtype.kind not in "iu":
@@ -637,15 +647,105 @@ def check_out(cfg):
         parent = os.path.dirname(parent)
     if not os.path.isdir(parent):
         raise NotADirectoryError(errno.ENOTDIR, f"--out cannot be created: {parent} is a file", out)
+    check_not_in_use(out)
     held = [name for name in RUN_FILES[:3] if os.path.exists(os.path.join(out, name))]
     if held and not (cfg.resume or cfg.overwrite):
         raise ValueError(f"--out {out} already holds a run ({', '.join(held)}): continue it with --resume, "
                          f"replace it with --overwrite, or choose another --out")
 
 
+LOCK_FILE = ".lock"            # OUT/.lock: held (fcntl.flock) by the run writing OUT, holding its pid, removed at its end
+REPLACED = ".replaced-run"     # OUT/.replaced-run/: the run --overwrite replaces, kept until the new one's first checkpoint
+
+
+class RunFolderInUse(RuntimeError):
+    """Another process holds the lock of the run folder: two runs writing one folder would interleave their
+    metrics and overwrite each other's checkpoints."""
+
+
+def _lock_pid(fd):
+    """The pid written in an open lock file (None when it holds none)."""
+    os.lseek(fd, 0, os.SEEK_SET)
+    text = os.read(fd, 64).decode("ascii", "replace").strip()
+    return int(text) if text.isdigit() else None
+
+
+def _in_use(out, pid):
+    return RunFolderInUse(f"--out {out} is in use by another run (pid {pid if pid is not None else 'unknown'}, which "
+                          f"holds {os.path.join(out, LOCK_FILE)}): wait for it to end or stop it, or choose another --out")
+
+
+def check_not_in_use(out):
+    """Refuse, before anything is read, an out whose lock another live run holds (a look, not a lock: the run
+    takes it in lock_out). Skipped under an MPI launcher, where rank 0 alone takes the lock, maybe already."""
+    path = os.path.join(out, LOCK_FILE)
+    if distributed.launched_by_mpi() or not os.path.isfile(path):
+        return
+    import fcntl
+
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return                                    # unreadable: lock_out will say why
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise _in_use(out, _lock_pid(fd)) from None
+    finally:
+        os.close(fd)
+
+
+def lock_out(out):
+    """Take the advisory lock of out (created if missing) for the life of this run, writing this pid into
+    OUT/.lock. Another live run's lock is refused naming its pid; a lock file whose process has ended (the
+    kernel dropped its lock) is taken over, saying so. Returns the lock's file descriptor (for unlock_out)."""
+    import fcntl
+
+    path = os.path.join(out, LOCK_FILE)
+    while True:
+        try:
+            os.makedirs(out, exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+        except OSError as err:
+            raise OSError(err.errno, f"--out cannot be used as the run folder: {err.strerror or err}", out) from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            pid = _lock_pid(fd)
+            os.close(fd)
+            raise _in_use(out, pid) from None
+        try:                                      # the file locked is still the one at path (the run before
+            if os.path.samestat(os.fstat(fd), os.stat(path)):   # may have removed it meanwhile): then it is ours
+                break
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+    old = _lock_pid(fd)
+    if old is not None and old != os.getpid():
+        print(f"{os.path.join(out, LOCK_FILE)}: the run of pid {old} ended without releasing it (killed?); "
+              f"taking it over", flush=True)
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+def unlock_out(fd, out):
+    """Release lock_out's lock: OUT/.lock is removed while still locked (a run that opened it meanwhile sees,
+    once it holds the lock, that the file at that path is no longer the one it locked, and starts again)."""
+    try:
+        os.remove(os.path.join(out, LOCK_FILE))
+    except OSError:
+        pass                                      # the lock itself is what matters, and closing releases it
+    os.close(fd)
+
+
 def open_out(out, overwrite=False):
     """Make out ready for the first step: created, written to once (a probe file), cleared of the temporary
-    files of an interrupted write, and with overwrite, of the run it held. An OSError names out and the cause."""
+    files of an interrupted write; an earlier --overwrite that a hard kill interrupted is settled (settle_replaced);
+    with overwrite, the run out holds is moved aside to OUT/.replaced-run/ (deleted at the new run's first
+    checkpoint, moved back if the new run fails before it). Returns that folder, or None. An OSError names
+    out and the cause."""
+    aside = None
     try:
         os.makedirs(out, exist_ok=True)
         probe = os.path.join(out, ".write-probe.tmp")
@@ -653,15 +753,41 @@ def open_out(out, overwrite=False):
             f.write("minivit checks that it can write here\n")
         os.remove(probe)
         stale = remove_stale_temporaries(out)
-        if overwrite:
-            for name in RUN_FILES:
-                if os.path.exists(os.path.join(out, name)):
-                    os.remove(os.path.join(out, name))
+        settle_replaced(out)
+        present = [name for name in RUN_FILES if os.path.exists(os.path.join(out, name))]
+        if overwrite and present:
+            aside = os.path.join(out, REPLACED)
+            os.makedirs(aside)
+            for name in present:
+                os.replace(os.path.join(out, name), os.path.join(aside, name))
     except OSError as err:
         raise OSError(err.errno, f"--out cannot be used as the run folder: {err.strerror or err}", out) from None
     if stale:
         print(f"removed {len(stale)} temporary file(s) of an interrupted write: "
               f"{', '.join(os.path.basename(p) for p in stale)}", flush=True)
+    return aside
+
+
+def settle_replaced(out, failed=False):
+    """The run that --overwrite moved aside to OUT/.replaced-run/: deleted once the new run has a checkpoint;
+    moved back (over the new run's files) when the new run failed (failed=True) or a hard kill stopped it
+    before its first checkpoint."""
+    import shutil
+
+    aside = os.path.join(out, REPLACED)
+    if not os.path.isdir(aside):
+        return
+    if not failed and os.path.exists(os.path.join(out, "checkpoint.npz")):
+        shutil.rmtree(aside)
+        return
+    for name in RUN_FILES:
+        if os.path.exists(os.path.join(out, name)):
+            os.remove(os.path.join(out, name))
+    for name in os.listdir(aside):
+        os.replace(os.path.join(aside, name), os.path.join(out, name))
+    os.rmdir(aside)
+    print(f"the run that --overwrite was to replace is back in {out}: the new run ended before its first "
+          f"checkpoint", flush=True)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -695,6 +821,7 @@ def resume_config(cfg):
     if cfg.out is None:
         raise ValueError("resume needs out: the folder that holds checkpoint.npz")
     out = _resume_folder(cfg)
+    check_not_in_use(out)
     ckpt_path = os.path.join(out, "checkpoint.npz")
     if not os.path.exists(ckpt_path):
         raise FileNotFoundError(f"--resume: no checkpoint at {ckpt_path!r} (train into --out {out!r} first)")
@@ -707,6 +834,9 @@ def resume_config(cfg):
         raise ValueError(f"{ckpt_path!r} holds no training state to resume (no {', '.join(missing)}): "
                          f"was it written by minivit.train?")
     check_finite(resumed["params"], repr(ckpt_path))
+    check_finite({f"optim/{kind}/{name}": buf for kind, buffers in resumed["optimizer"]["buffers"].items()
+                  for name, buf in buffers.items()}, repr(ckpt_path), "optimizer buffers",
+                 "a damaged or edited file: resume from another checkpoint, or start a new run")
     fields = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
     saved = {k: tuple(v) if isinstance(v, list) else v for k, v in extra["train_config"].items()
              if k in fields}                             # JSON made img_size a list; older runs may have more keys
@@ -732,6 +862,35 @@ def resume_config(cfg):
         saved.update(eval_every=applied.get("eval_every"), num_evals=applied.get("num_evals"))
     saved.update({k: getattr(cfg, k) for k in RESUME_RUNTIME}, out=out)
     return TrainConfig(**saved), resumed, before, applied
+
+
+def check_resumed_data(resumed, data):
+    """Refuse to resume on other data than the run's: another data set, or classes renamed, added or removed
+    (a renamed class folder would swap the labels silently). The checkpoint stores the data set's name, its
+    class names and their count; each change is named."""
+    path, extra = resumed["path"], resumed["meta"]["extra"]
+    changes = []
+    if "dataset" in extra and extra["dataset"] != data.name:
+        changes.append(f"the data set is {data.name!r}, the run's was {extra['dataset']!r}")
+    saved, now = extra.get("classes"), getattr(data, "classes", None)
+    if saved is not None and now is not None and list(saved) != list(now):
+        gone, new = [c for c in saved if c not in now], [c for c in now if c not in saved]
+        if len(gone) == len(new) and gone:
+            changes.append("classes renamed: " + ", ".join(f"{a!r} -> {b!r}" for a, b in zip(gone, new)))
+        else:
+            if new:
+                changes.append(f"classes added: {new}")
+            if gone:
+                changes.append(f"classes removed: {gone}")
+            if not new and not gone:
+                changes.append(f"the classes are in another order: {list(now)}, the run's {list(saved)}")
+    count = extra.get("num_classes", len(saved) if saved is not None else None)
+    if count is not None and now is not None and count != len(now) and not changes:
+        changes.append(f"{len(now)} classes, the run's model has {count}")
+    if changes:
+        raise ValueError(f"--resume: the data differ from those the run in {os.path.dirname(path)} trained on: "
+                         f"{'; '.join(changes)}. Resume on the run's own data, or start a new run (another --out, "
+                         f"or --overwrite)")
 
 
 def _cadence(cfg):
@@ -826,6 +985,9 @@ class Run:
     seen_loss: float = 0.0      # the training loss, summed over the images seen since the last evaluation
     seen_correct: int = 0
     seen_images: int = 0
+    lock: int = None            # the file descriptor of OUT/.lock while this run holds it (lock_out)
+    made_out: bool = False      # OUT did not exist before this run: removed again if the run fails in set_up
+    replaced: str = None        # OUT/.replaced-run/ until the first checkpoint (--overwrite; open_out)
 
     @property
     def writes(self):
@@ -859,8 +1021,30 @@ def train(cfg, callback=None, model=None, data=None):
     out=None writes no file. A NaN or infinite loss, validation loss or parameter raises TrainingDiverged
     (its .step says when). Every setting is checked before out is touched."""
     run = set_up(cfg, model, data)
-    stopped_by = run_loop(run, callback)
-    return finish(run, stopped_by)
+    failed = True
+    try:
+        stopped_by = run_loop(run, callback)
+        result = finish(run, stopped_by)
+        failed = False
+        return result
+    finally:
+        release_out(run, failed)
+
+
+def release_out(run, failed):
+    """The end of the run's hold on its folder: a run that failed before its first checkpoint puts back the
+    run it was to --overwrite (and removes the folder it made, if nothing else is in it); the lock is released."""
+    if run.lock is None:
+        return
+    out = run.cfg.out
+    try:
+        if failed and run.replaced is not None:
+            settle_replaced(out, failed=True)
+    finally:
+        unlock_out(run.lock, out)
+        run.lock = None
+        if failed and run.made_out and not os.listdir(out):
+            os.rmdir(out)
 
 
 def set_up(cfg, model=None, data=None):
@@ -884,7 +1068,11 @@ def set_up(cfg, model=None, data=None):
     warmup = cfg.warmup_steps if cfg.warmup_steps is not None else round((cfg.warmup_epochs or 0) * steps_per_epoch)
     schedule = WarmupCosine(cfg.lr, total_steps, warmup_steps=min(warmup, total_steps), min_lr=cfg.min_lr)
     given_model = model is not None
+    if resumed is not None:
+        check_resumed_data(resumed, data)
     model = model if given_model else build_model(cfg, data, resumed)
+    if cfg.init and not given_model:                # record the model's real shape, the checkpoint's
+        cfg = dataclasses.replace(cfg, **{k: getattr(model.config, k) for k in MODEL_FIELDS})
     model.train()                                   # a model given in eval mode would train without dropout
     model.set_matmul_dtype("float16" if cfg.precision == "float16" else None)
     scaler = LossScaler() if cfg.precision == "float16" else None
@@ -894,13 +1082,26 @@ def set_up(cfg, model=None, data=None):
         restore(run, resumed, before, applied)
     if world is not None:                           # after restore: ZeRO-1 shares out the optimizer state it loaded
         run.dp = distributed.DataParallel(world, model, run.optimizer, zero=cfg.zero)
+    check_labels(data, None if cfg.task == "clip" else getattr(getattr(model, "config", None), "num_classes", None))
     if cfg.out is not None and run.writes:          # every setting has been checked: now the folder is touched
-        open_out(cfg.out, overwrite=cfg.overwrite)
+        run.made_out = not os.path.exists(cfg.out)
+        run.lock = lock_out(cfg.out)                # refused if another run holds it; held until release_out
+    try:
+        _set_up_out_and_device(run, cfg, data, model, resumed, world, given_model, total_steps)
+    except BaseException:
+        release_out(run, failed=True)
+        raise
+    return run
+
+
+def _set_up_out_and_device(run, cfg, data, model, resumed, world, given_model, total_steps):
+    """set_up's part that runs under the folder's lock: the folder opened, the data on the backend, the ops announced."""
+    if run.lock is not None:
+        run.replaced = open_out(cfg.out, overwrite=cfg.overwrite)
         if resumed is not None and os.path.exists(os.path.join(cfg.out, "metrics.jsonl")):
             kept = [r for r in read_metrics(cfg.out, kind=None) if r.get("step", 0) <= run.step]   # stats too,
             _write_jsonl_atomic(os.path.join(cfg.out, "metrics.jsonl"), kept)   # without torn or later lines
-    # the whole data set goes to the backend once (on CuPy it then lives on the GPU), its labels checked first
-    check_labels(data)
+    # the whole data set goes to the backend once (on CuPy it then lives on the GPU)
     run.x_train, run.y_train = (backend.asarray(a, backend=model.backend) for a in (data.x_train, data.y_train))
     x_test, y_test = (data.x_test, data.y_test) if world is None else distributed.shard(world, data.x_test, data.y_test)
     run.x_test, run.y_test = (backend.asarray(a, backend=model.backend) for a in (x_test, y_test))
@@ -917,7 +1118,6 @@ def set_up(cfg, model=None, data=None):
         print(f"training {model.num_params():,}-parameter {type(model).__name__} ({_describe(cfg, model, given_model)}) "
               f"on {data.name} ({data.x_train.shape[0]} images, {data.num_classes} classes) with "
               f"{backend.get_backend()}, {total_steps} steps of batch {cfg.batch_size}", flush=True)
-    return run
 
 
 def load_run_data(cfg, data=None):
@@ -949,6 +1149,10 @@ def load_run_data(cfg, data=None):
         n = cfg.train_subset
         data = dataclasses.replace(data, x_train=data.x_train[:n], y_train=data.y_train[:n],
                                    **({"text_train": data.text_train[:n]} if hasattr(data, "text_train") else {}))
+    if cfg.task != "clip" and data.num_classes < 2:
+        where = f" in {os.path.join(cfg.data_dir, 'train')}" if cfg.dataset == "folder" and cfg.data_dir else ""
+        raise ValueError(f"{data.name} has {data.num_classes} class{where} ({data.classes}): a classifier needs at "
+                         f"least two (one folder per class)")
     if data.x_train.shape[0] < cfg.batch_size:
         raise ValueError(f"batch_size {cfg.batch_size} is larger than the {data.x_train.shape[0]} training images")
     return cfg, data
@@ -1056,7 +1260,7 @@ def evaluate_and_save(run):
     if run.cfg.out is not None and run.writes:      # rank 0 alone writes
         _append_jsonl(os.path.join(run.cfg.out, "metrics.jsonl"), record)
         extra = {"step": run.step, "best_val_accuracy": run.best, "train_config": dataclasses.asdict(run.cfg),
-                 "classes": run.data.classes, "mean": list(run.data.mean), "std": list(run.data.std),
+                 "classes": run.data.classes, "num_classes": len(run.data.classes), "mean": list(run.data.mean), "std": list(run.data.std),
                  "dataset": run.data.name}
         if run.scaler is not None:
             extra["loss_scaler"] = run.scaler.state_dict()
@@ -1066,6 +1270,9 @@ def evaluate_and_save(run):
             save_checkpoint(run.ckpt_path, run.model, run.optimizer, extra)
         except OSError as err:
             raise _naming_path(err, run.ckpt_path) from None
+        if run.replaced is not None:                 # the new run has started: the run it replaces goes
+            settle_replaced(run.cfg.out)
+            run.replaced = None
     if run.cfg.out is not None:
         run.saved_step = run.step
     if run.dp is not None:

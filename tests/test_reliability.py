@@ -351,7 +351,8 @@ def test_predict_classifies_what_it_can_and_names_the_rest(tmp_path, data, capsy
     code = predict.main([good[0], str(broken), huge, good[1], "--checkpoint", str(tmp_path / "run"), "--top", "3"])
     said = capsys.readouterr()
     assert code == 2 and said.out.count("%") == 6 and good[1] in said.out     # both good ones, top-3 each
-    assert f"{broken}: not a readable image" in said.err and f"{huge}: too large to decode safely" in said.err
+    assert f"{broken}: not an image in a format minivit reads" in said.err
+    assert f"{huge}: 10000 pixels, more than Pillow's decompression-bomb limit" in said.err
     with pytest.raises(SystemExit):
         predict.main([good[0], "--checkpoint", str(tmp_path / "run"), "--top", "-1"])
     assert "--top: must be a positive int, got -1" in capsys.readouterr().err
