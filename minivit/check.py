@@ -24,10 +24,14 @@ functional.layernorm_backward is what is checked) and the layers built from thei
 
 import argparse
 import contextlib
+import copy
+import importlib.util
+import inspect
 import math
 import sys
 import time
 import traceback
+from pathlib import Path
 
 import numpy as np
 
@@ -35,7 +39,7 @@ from . import functional as F
 from . import kernels
 from . import layers as L
 from .augment import normalize
-from .backend import asarray, backend_of, get_array_module, host_rng, to_numpy
+from .backend import asarray, backend_of, get_array_module, host_rng, is_array, to_numpy
 from .data import make_shapes
 from .gradcheck import PairLayer, gradcheck
 from .model import ViT, ViTConfig
@@ -57,10 +61,13 @@ class Row:
     (relative, ||a - b|| / (||a|| + ||b||)), ``tol``, ``note`` (the diagnosis of a WRONG row, or why a row
     was skipped), and the two arrays compared as host NumPy arrays (``got``, ``expected``) for a closer look."""
 
-    def __init__(self, op, what, error, tol, note="", got=None, expected=None, skipped=False, tensor=None):
+    def __init__(self, op, what, error, tol, note="", got=None, expected=None, skipped=False, tensor=None,
+                 status=None):
         self.op, self.what, self.error, self.tol, self.note = op, what, float(error), tol, note
-        self.got, self.expected, self.skipped = got, expected, skipped
+        self.got, self.expected, self.skipped = got, expected, skipped or status is not None
         self.tensor = tensor  # for a gradient row: "input" or the parameter's name; None for the others
+        self._status = status  # a status other than ok/WRONG/skipped: "differs", "skipped: fix ... first"
+        self.label = f"{op} {what}"   # how the summary line names it (a model walk: "blocks.1.gamma")
 
     @property
     def ok(self):
@@ -68,6 +75,8 @@ class Row:
 
     @property
     def status(self):
+        if self._status:
+            return self._status
         return "skipped" if self.skipped else ("ok" if self.ok else "WRONG")
 
     def __repr__(self):
@@ -129,7 +138,7 @@ class Report:
         wrong = self.wrong()
         n_ops = len(ops)
         if wrong:
-            names = ", ".join(f"{r.op} {r.what}" for r in wrong[:8]) + (" ..." if len(wrong) > 8 else "")
+            names = ", ".join(r.label for r in wrong[:8]) + (" ..." if len(wrong) > 8 else "")
             lines.append(f"{len(wrong)} WRONG of {len(self.rows)} checks in {n_ops} ops ({self.seconds:.1f} s): {names}")
         else:
             lines.append(f"all {len(self.rows)} checks in {n_ops} ops ok ({self.seconds:.1f} s)")
@@ -146,10 +155,15 @@ class Report:
             return "nothing was checked: every row was skipped"
         wrong = self.wrong()
         lines = [f"WRONG: {len(wrong)} of {len(self.rows)} checks disagree"]
-        for r in wrong[:6]:
-            lines.append(f"  {r.op} {r.what}: relative error {r.error:.1e}" + (f"; {r.note}" if r.note else ""))
-        if len(wrong) > 6:
-            lines.append(f"  ... and {len(wrong) - 6} more (print the report for the table)")
+        groups = {}                                   # rows sharing one note are listed on one line
+        for r in wrong:
+            groups.setdefault(r.note, []).append(r)
+        for note, rs in list(groups.items())[:6]:
+            names = ", ".join(r.label for r in rs[:4]) + (f" and {len(rs) - 4} more" if len(rs) > 4 else "")
+            worst = max(r.error for r in rs)
+            lines.append(f"  {names}: relative error {worst:.1e}" + (f"; {note}" if note else ""))
+        if len(groups) > 6:
+            lines.append(f"  ... and {len(groups) - 6} more (print the report for the table)")
         lines += [f"  {op_hint}" for op_hint in self.hints.values()]
         if hint:
             lines.append(f"Hint: {hint}")
@@ -330,16 +344,19 @@ def _kernel_rows(op, pair, inputs, forward, backward, axes=None, factors=None, s
             [(f"{g} vs kernels.{pair}_backward, float32", grads64[g], grads32[g], g) for g in grads64]:
         got, expected = to_numpy(got), to_numpy(expected).astype(np.float64)
         row = Row(op, what, _rel(got, expected), TOL_KERNEL, got=got, expected=expected)
+        row.kernel_of = name
         if not row.ok:
             why = diagnose(got, expected, (axes or {}).get(name), factors=factors)
             row.note = (f"functional.{pair}_{'forward' if name == 'forward' else 'backward'} differs from the fast "
                         f"kernel{': ' + why if why else ''}. (New math on purpose? Then this is expected: "
-                        "--no-kernels leaves these rows out)")
+                        "check.run(..., use_kernels=False) in Python, --no-kernels on the command line, "
+                        "leaves these rows out)")
         rows.append(row)
     return rows
 
 
-def _gradient_rows(op, layer, x, axes=None, refs=None, factors=None, max_checks=None, split_input=None, seed=2):
+def _gradient_rows(op, layer, x, axes=None, refs=None, factors=None, max_checks=None, split_input=None, seed=2,
+                   check_input=True):
     """One row per input and parameter gradient of layer at x, against central differences (float64).
     axes: {row name: axis names}; refs: {row name: {label: array}}; split_input(array) -> {name: part}
     shows the input gradient in named parts (attention's dq, dk, dv)."""
@@ -348,7 +365,7 @@ def _gradient_rows(op, layer, x, axes=None, refs=None, factors=None, max_checks=
     if hasattr(layer, "train"):
         layer.train()
     dout = _random(rng, layer.forward(x).shape)
-    report = gradcheck(layer, x, dout=dout, tol=TOL_GRAD, max_checks=max_checks, seed=seed)
+    report = gradcheck(layer, x, dout=dout, tol=TOL_GRAD, max_checks=max_checks, seed=seed, check_input=check_input)
     rows = []
     for name, err, checked, total in report.rows:
         _, a, n, shape = report.samples[name]
@@ -666,8 +683,16 @@ def check_model(rng, use_kernels):
     model = _randomise(ViT(config, seed=0, dtype="float64"), rng, 0.1)
     x = _random(rng, (B, 8, 8, 3))
     rows = [_forward_row("model", "forward: ViT vs functional", model.forward(x), _vit(model, x))]
-    return rows + _gradient_rows("model", model, x, max_checks=16, axes={"dx": ("B", "H", "W", "C")},
-                                 factors={"B": B})
+    rows = _Rows(rows + _gradient_rows("model", model, x, max_checks=16, axes={"dx": ("B", "H", "W", "C")},
+                                       factors={"B": B}))
+    if not rows[-1].ok or any(not r.ok for r in rows[1:]):          # which layer: its own check says
+        rows.first_wrong_layer = walk_rows(model, x)[1]
+    return rows
+
+
+class _Rows(list):
+    """An op's rows, and for the model the first layer (by path) whose own check fails."""
+    first_wrong_layer = None
 
 
 def check_adamw(rng, use_kernels):
@@ -816,12 +841,26 @@ def run(names=None, use_kernels=True, seed=0):
             op_rows = check(host_rng(seed), use_kernels)
         except Exception as err:                    # a student's edit that raises: say where, and go on
             op_rows = [_raised(op, err)]
+        _point_kernel_rows_at_gradient_rows(op_rows)
         rows += op_rows
         if op in COMPOSITE and any(not r.ok for r in op_rows):
             hint = _first_wrong_in_backward(op_rows)
+            walk = getattr(op_rows, "first_wrong_layer", None)     # the model: by a walk of its layers
+            if walk is not None:
+                hint = _walk_hint(walk, hint)
             if hint:
                 hints[op] = hint
     return Report(rows, hints, time.perf_counter() - start)
+
+
+def _point_kernel_rows_at_gradient_rows(rows):
+    """A kernel row of a gradient that its own gradient row already calls WRONG says so, and no more: the
+    diagnosis is the gradient row's (told once)."""
+    wrong = {r.what for r in rows if r.tensor is not None and not r.ok}
+    for r in rows:
+        name = getattr(r, "kernel_of", None)
+        if name in wrong and not r.ok:
+            r.note = f"the gradient row {name} is WRONG too: fix that first (this row follows from it)"
 
 
 def overfit(steps=40, lr=1e-2, optimizer="adamw", seed=0):
@@ -845,6 +884,311 @@ def overfit(steps=40, lr=1e-2, optimizer="adamw", seed=0):
         losses.append(loss)
     return losses
 
+# --------------------------------------------------------------------------------------------------
+# The model walk: every layer of a model as its classes stand, each on its own input
+# --------------------------------------------------------------------------------------------------
+
+DIFFERS = "differs"
+WALK_MAX_CHECKS = 16      # elements sampled per array of a composite layer (a leaf's are all checked if few)
+LEAF_ALL = 1500           # a leaf whose arrays hold at most this many elements in all is checked element by element
+
+
+class _SeveralInputs(Exception):
+    """A backward that returns the gradients of several inputs: not checked on its own."""
+
+
+class _Bound:
+    """A layer called as forward(x, *rest) seen as one taking x only, rest held fixed (an attention mask),
+    or, where x is not float (token ids), as one taking a float placeholder, checked on its parameters."""
+
+    def __init__(self, layer, x, rest, kwargs):
+        self.layer, self.x, self.rest, self.kwargs = layer, x, rest, kwargs
+        self.float_input = is_array(x) and get_array_module(x).issubdtype(x.dtype, get_array_module(x).floating)
+        self.params, self.grads = layer.params, layer.grads
+
+    def forward(self, x):
+        return self.layer.forward(x if self.float_input else self.x, *self.rest, **self.kwargs)
+
+    def backward(self, dout):
+        dx = self.layer.backward(dout)
+        if isinstance(dx, tuple):
+            raise _SeveralInputs(len(dx))
+        return dx if self.float_input else None
+
+    def sublayers(self):
+        return self.layer.sublayers()
+
+    def train(self, mode=True):
+        self.layer.train(mode)
+        return self
+
+    def zero_grad(self):
+        self.layer.zero_grad()
+
+
+def _record_inputs(model, x):
+    """One forward of model (training mode) on x (an array, or a tuple of the model's inputs), each
+    layer's forward wrapped to keep the arguments of its first call: {id(layer): (args, kwargs)}."""
+    seen, wrapped = {}, []
+    for _, layer in model.named_sublayers():
+        if any(layer is w for w, _ in wrapped):
+            continue
+        own = layer.__dict__.get("forward")
+
+        def recording(*args, _layer=layer, _forward=layer.forward, **kwargs):
+            if id(_layer) not in seen:
+                seen[id(_layer)] = (tuple(a.copy() if is_array(a) else a for a in args), dict(kwargs))
+            return _forward(*args, **kwargs)
+
+        object.__setattr__(layer, "forward", recording)
+        wrapped.append((layer, own))
+    try:
+        model.train()
+        model.forward(*(x if isinstance(x, tuple) else (x,)))
+    finally:
+        for layer, own in wrapped:                       # restored, even after an error
+            if own is None:
+                del layer.__dict__["forward"]
+            else:
+                object.__setattr__(layer, "forward", own)
+    return seen
+
+
+def _layers_post_order(model):
+    """(path, layer) children before parents. A layer registered under "" (the ViT's PosEmbed, whose
+    arrays are top-level names) is shown by the attribute that holds it; the model itself as "model"."""
+    def walk(layer, prefix, shown):
+        for name, child in layer.children.items():
+            if not name:
+                name_shown = next((a for a, v in layer.__dict__.items() if v is child), type(child).__name__)
+            else:
+                name_shown = name
+            sub = ".".join(p for p in (prefix, name) if p)
+            yield from walk(child, sub, ".".join(p for p in (shown, name_shown) if p))
+        yield prefix, shown, layer
+    for prefix, shown, layer in walk(model, "", ""):
+        yield prefix, shown or "model", layer
+
+
+def _textbook(layer, x):
+    """(op, the textbook forward of layer at x) for a layer of a class whose math check.py knows (its
+    subclasses too); None for any other. Raises where the layer's arrays are not the textbook's."""
+    def block():
+        p = layer.params
+        x1 = x + _attention(_sub(p, "attn."), F.layernorm_forward(x, p["norm1.weight"], p["norm1.bias"],
+                                                                  layer.norm1.eps)[0], layer.attn.num_heads)
+        h = F.layernorm_forward(x1, p["norm2.weight"], p["norm2.bias"], layer.norm2.eps)[0]
+        return x1 + _mlp(_sub(p, "mlp."), h, layer.mlp.act.approximate)
+
+    kinds = ((L.Block, "Block", block),
+             (L.Attention, "Attention", lambda: _attention(layer.params, x, layer.num_heads)),
+             (L.MLP, "MLP", lambda: _mlp(layer.params, x, layer.act.approximate)),
+             (L.LayerNorm, "LayerNorm", lambda: F.layernorm_forward(x, layer.params["weight"],
+                                                                    layer.params["bias"], layer.eps)[0]),
+             (L.Linear, "Linear", lambda: _linear(layer.params, x)),
+             (L.GELU, "GELU", lambda: F.gelu_forward(x, layer.approximate)[0]),
+             (L.PatchEmbed, "PatchEmbed", lambda: _linear(_sub(layer.params, "proj."),
+                                                          F.im2patch(x, layer.patch_size))))
+    for cls, op, forward in kinds:
+        if isinstance(layer, cls):
+            return op, forward
+    return None
+
+
+def _textbook_row(path, layer, x):
+    """The layer's forward against the textbook op: "ok" where it still is that op (the op rows' diagnoses
+    then apply to it), "differs" where it is not or the textbook cannot even run on its arrays."""
+    found = _textbook(layer, x)
+    if found is None:
+        return None
+    op, forward = found
+    differs = f"forward differs from the textbook {op}: checked by numerical gradients only"
+    try:
+        expected = forward()
+        got = layer.forward(x)
+    except (KeyError, AttributeError, ValueError, TypeError, IndexError) as err:
+        return Row(path, f"forward vs textbook {op}", math.nan, TOL_SAME,
+                   f"{differs} (the textbook raises {type(err).__name__}: {err})", status=DIFFERS)
+    got, expected = to_numpy(got), to_numpy(expected)
+    if got.shape != expected.shape or _rel(got, expected) > TOL_SAME:
+        error = math.inf if got.shape != expected.shape else _rel(got, expected)
+        return Row(path, f"forward vs textbook {op}", error, TOL_SAME, differs, status=DIFFERS)
+    return Row(path, f"forward vs textbook {op}", _rel(got, expected), TOL_SAME)
+
+
+def _axes_for(x):
+    return {3: TOKENS, 4: ("B", "H", "W", "C"), 2: ("B", "D")}.get(getattr(x, "ndim", 0))
+
+
+def walk_rows(model, x):
+    """The rows of the model walk: each layer of model (depth first, children before parents) checked on
+    the input it had in one forward on x, by float64 central differences for its input and every
+    parameter. A composite with a WRONG layer inside is skipped ("fix <path> first"); one whose layers are
+    all right but which is WRONG itself is WRONG under its own path. Returns (rows, the first WRONG layer's
+    path in the backward's order or None)."""
+    seen = _record_inputs(model, x)
+    rows, bad = [], {}                      # bad: path -> the WRONG layers inside it or it (root causes)
+    order = list(_layers_post_order(model))
+    for prefix, path, layer in order:
+        if isinstance(layer, L.Dropout) and not layer.params:
+            continue                        # identity here (rates are 0 in the check): nothing to check
+        inside = [c for p, c in bad.items() if p != path and (path == "model" or p.startswith(path + "."))]
+        causes = list(dict.fromkeys(c for cs in inside for c in cs))
+        if causes:
+            bad[path] = causes
+            rows.append(Row(path, "all", math.nan, TOL_GRAD, status=f"skipped: fix {', '.join(causes[:3])} first"))
+            continue
+        if id(layer) not in seen:
+            rows.append(Row(path, "all", math.nan, TOL_GRAD, "the model's forward did not call it", skipped=True))
+            continue
+        args, kwargs = seen[id(layer)]
+        if not args:
+            rows.append(Row(path, "all", math.nan, TOL_GRAD, "not checked: called with no positional input",
+                            skipped=True))
+            continue
+        xin = args[0]
+        bound = _Bound(layer, xin, args[1:], kwargs)
+        textbook = _textbook_row(path, layer, xin) if bound.float_input and not args[1:] and not kwargs else None
+        if textbook is not None:
+            rows.append(textbook)
+        out = bound.forward(xin)
+        if not is_array(out):
+            rows.append(Row(path, "all", math.nan, TOL_GRAD, f"not checked: returns {type(out).__name__}",
+                            skipped=True))
+            continue
+        leaf = not layer.children
+        size = sum(int(p.size) for p in layer.params.values()) + int(xin.size)
+        max_checks = None if leaf and size <= LEAF_ALL else WALK_MAX_CHECKS
+        probe = xin if bound.float_input else asarray(np.zeros(1), dtype="float64")
+        axes = {"dx": _axes_for(xin)}
+        refs = {}
+        if textbook is not None and textbook.status == "ok" and isinstance(layer, L.LayerNorm):
+            refs["dx"] = {"xhat": (xin - xin.mean(-1, keepdims=True)) / (xin.var(-1, keepdims=True) + layer.eps) ** 0.5}
+        try:
+            grad_rows = _gradient_rows(path, bound, probe, axes=axes, refs=refs, factors={"B": xin.shape[0]},
+                                       max_checks=max_checks, check_input=bound.float_input)
+        except _SeveralInputs as err:
+            rows.append(Row(path, "all", math.nan, TOL_GRAD, f"not checked: takes {err.args[0]} inputs "
+                            "(its layers and the model around it are checked)", skipped=True))
+            continue
+        except Exception as err:                        # a student's layer that raises: say where, go on
+            grad_rows = [_raised(path, err)]
+        for r in grad_rows:
+            if r.tensor == "input":
+                if not bound.float_input:
+                    continue
+                r.label = f"{path} dx"
+            elif r.tensor is not None:
+                r.tensor = ".".join(p for p in (prefix, r.tensor) if p)        # the full dotted name
+                r.label = r.tensor
+            rows.append(r)
+        wrong = [r for r in grad_rows if not r.ok and (r.tensor != "input" or bound.float_input)]
+        if wrong:
+            bad[path] = [path]
+            if isinstance(layer, L.Attention) and textbook is not None and textbook.status == "ok":
+                for r in wrong:
+                    r.note = r.note or ("its qkv and proj are right, so the core is not: see the 'attention' "
+                                        "rows (python -m minivit.check attention)")
+    first = _first_in_backward([p for p, cs in bad.items() if cs == [p]], [p for _, p, _ in order])
+    return rows, first
+
+
+def _first_in_backward(paths, order):
+    """Of the layers with WRONG rows of their own, the one the backward reaches first: the last in the
+    forward (post-order puts a later stage's layers after an earlier one's)."""
+    return max(paths, key=order.index) if paths else None
+
+
+def _walk_hint(path, hint):
+    text = (f"the first layer, from the output back, whose own check fails (the layers inside it pass) is {path}: "
+            f"look in its backward")
+    if hint and path != "model" and f"d{path}." in hint:
+        return text + "; " + hint
+    return text
+
+
+def _default_model(clip=False, seed=0):
+    """The small float64 model the walk checks: the ViT of the "model" row, or a tiny CLIP."""
+    if clip:
+        from .clip import CLIP, CLIPConfig
+        config = CLIPConfig(embed_dim=8, img_size=8, patch_size=4, vision_width=12, vision_layers=1,
+                            vision_heads=3, context_length=6, vocab_size=20, text_width=8, text_layers=1,
+                            text_heads=2, mlp_ratio=2.0)
+        return CLIP(config, seed=seed, dtype="float64")
+    config = ViTConfig(img_size=8, patch_size=2, in_chans=3, num_classes=5, embed_dim=16, depth=2, num_heads=2,
+                       mlp_ratio=2.0)
+    return ViT(config, seed=seed, dtype="float64")
+
+
+def default_input(model, batch=2, seed=0):
+    """A small random batch of the model's input: images (B, H, W, C) from its config's img_size and
+    in_chans; for a CLIP, (images, tokens) with <end> the highest id."""
+    rng = host_rng(seed)
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "img_size") or not hasattr(config, "in_chans"):
+        raise ValueError(f"{type(model).__name__} has no config with img_size and in_chans: pass x, "
+                         "a batch of its input (float64), to run_model(model, x)")
+    H, W = (config.img_size, config.img_size) if isinstance(config.img_size, int) else config.img_size
+    images = _random(rng, (batch, H, W, config.in_chans))
+    if hasattr(config, "context_length"):
+        Lc, V = config.context_length, config.vocab_size
+        tokens = rng.integers(4, V - 1, size=(batch, Lc))
+        tokens[:, -1] = V - 1                                       # <end>: the highest id, read by the text tower
+        return images, asarray(tokens)
+    return images
+
+
+def run_model(model, x=None, seed=0):
+    """Check every layer of ``model`` as its classes stand (a student's own layers too), each on its own
+    input, by float64 central differences; returns a Report (``print`` it, ``.ok``, ``.wrong()``,
+    ``.verdict()``). The model is not changed: its copy is checked, parameters moved off their initial
+    values and dropout rates set to 0. x: its input (default: a batch of 2 random images of its config's
+    shape)."""
+    start = time.perf_counter()
+    if not isinstance(model, L.Layer):
+        raise TypeError(f"run_model takes a minivit model (a Layer), got {type(model).__name__}")
+    low = sorted({str(p.dtype) for p in model.params.values() if p.dtype != "float64"})
+    if low:
+        raise TypeError(f"the model's parameters are {', '.join(low)}: the check needs float64 (float32 rounding "
+                        "swamps the finite differences). Build it with dtype='float64'")
+    model = copy.deepcopy(model)
+    for layer in model.sublayers():
+        if isinstance(layer, L.Dropout):
+            layer.p = 0.0
+    _randomise(model, host_rng(seed), 0.1)
+    x = default_input(model, seed=seed) if x is None else x
+    rows, first = walk_rows(model, x)
+    hints = {first: _walk_hint(first, "")} if first else {}
+    return Report(rows, hints, time.perf_counter() - start)
+
+
+def load_model(spec):
+    """FILE.py:FUNC -> the model FUNC builds (FUNC(dtype="float64") if it takes dtype, else FUNC()).
+    Raises ValueError, saying what is wrong, for a missing file or function or something not a model."""
+    path, sep, func = spec.rpartition(":")
+    if not sep or not path or not func:
+        raise ValueError(f"--model takes FILE.py:FUNC, got {spec!r}")
+    file = Path(path)
+    if not file.is_file():
+        raise ValueError(f"--model: no file {path!r}")
+    module_spec = importlib.util.spec_from_file_location(f"_minivit_check_{file.stem}", file)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    build = getattr(module, func, None)
+    if not callable(build):
+        raise ValueError(f"--model: {path} has no function {func!r}")
+    takes_dtype = "dtype" in inspect.signature(build).parameters
+    model = build(dtype="float64") if takes_dtype else build()
+    if not isinstance(model, L.Layer):
+        raise ValueError(f"--model: {func}() returned {type(model).__name__}, not a minivit model (a Layer)")
+    low = sorted({str(p.dtype) for p in model.params.values() if p.dtype != "float64"})
+    if low:
+        raise ValueError(f"--model: {func}() built a {', '.join(low)} model; the check needs float64. "
+                         + ("Pass dtype to every layer it builds." if takes_dtype else
+                            f"Give it a dtype argument (def {func}(dtype='float64')) and build with it."))
+    return model
+
+
 
 def main(argv=None):
     listing = "\n".join(f"  {name:<14} {what}" for name, (_, what) in OPS.items())
@@ -857,14 +1201,33 @@ def main(argv=None):
     parser.add_argument("-v", "--verbose", action="store_true", help="show every gradient row of the composite ops")
     parser.add_argument("--no-kernels", action="store_true",
                         help="leave out the comparison with minivit/kernels.py (when you changed the math on purpose)")
+    parser.add_argument("--model", metavar="FILE.py:FUNC",
+                        help="check every layer of the model FUNC() builds (FUNC(dtype='float64') if it takes dtype), "
+                             "instead of the ops")
+    parser.add_argument("--clip", action="store_true", help="walk a tiny CLIP's layers instead of the ViT's")
     args = parser.parse_args(argv)
+    if args.model:
+        try:
+            model = load_model(args.model)
+        except ValueError as err:
+            parser.error(str(err))
+        report = run_model(model)
+        print(report.table(verbose=args.verbose))
+        return 0 if report.ok else 1
     try:
         names = select(args.names)
     except ValueError as err:
         parser.error(str(err))
-    report = run(names, use_kernels=not args.no_kernels)
-    print(report.table(verbose=args.verbose))
-    return 0 if report.ok else 1
+    reports = []
+    if not args.clip:
+        reports.append(run(names, use_kernels=not args.no_kernels))
+        print(reports[-1].table(verbose=args.verbose))
+    if not args.names:                              # the whole model, layer by layer, as its classes stand
+        model = _default_model(clip=args.clip)
+        print(f"\nevery layer of the {type(model).__name__} ({model.num_params()} parameters), each on its own input:")
+        reports.append(run_model(model))
+        print(reports[-1].table(verbose=args.verbose))
+    return 0 if all(r.ok for r in reports) else 1
 
 
 if __name__ == "__main__":
