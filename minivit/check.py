@@ -356,10 +356,11 @@ def _kernel_rows(op, pair, inputs, forward, backward, axes=None, factors=None, s
 
 
 def _gradient_rows(op, layer, x, axes=None, refs=None, factors=None, max_checks=None, split_input=None, seed=2,
-                   check_input=True):
+                   check_input=True, alternatives=None):
     """One row per input and parameter gradient of layer at x, against central differences (float64).
     axes: {row name: axis names}; refs: {row name: {label: array}}; split_input(array) -> {name: part}
-    shows the input gradient in named parts (attention's dq, dk, dv)."""
+    shows the input gradient in named parts (attention's dq, dk, dv); alternatives(dout) -> {row name:
+    [(array, what it means)]}: a likely wrong formula, named when the gradient equals it."""
     axes, refs = axes or {}, refs or {}
     rng = host_rng(seed)
     if hasattr(layer, "train"):
@@ -382,6 +383,9 @@ def _gradient_rows(op, layer, x, axes=None, refs=None, factors=None, max_checks=
             if not row.ok:
                 row.note = diagnose(pa, pn, axes.get(what) if full else (), refs.get(what) if full else None,
                                     factors)
+                for array, meaning in (alternatives(dout).get(what, []) if alternatives and full else []):
+                    if _rel(pa, to_numpy(array)) <= FIT:
+                        row.note = meaning
                 if name != "input" and full and (not row.note or " only at " in row.note):
                     row.note = _one_sample(layer, x, dout, name, pa, max_checks, seed) or row.note
             rows.append(row)
@@ -414,7 +418,10 @@ def _first_wrong_in_backward(rows):
         return ("every parameter gradient is right and dx is not: the error enters after the last of them was "
                 "computed (the first layer's dx, or a residual's identity path)") if dx and not dx[-1].ok else ""
     first = wrong[-1].tensor                                    # rows are in forward order
-    layer = first.rsplit(".", 1)[0] if "." in first else "the position embedding"
+    if "." in first:
+        layer = first.rsplit(".", 1)[0]
+    else:                                                       # a top-level array: PosEmbed's, or the model's own
+        layer = "the position embedding" if first in ("cls_token", "reg_token", "pos_embed") else "the model"
     hint = (f"the backward, run from the output back, first goes wrong at d{first}: look in {layer}'s backward "
             f"and in what hands it its dout (the layer after it in the forward, or a residual adding into it)")
     if first.startswith("qkv."):
@@ -591,8 +598,19 @@ def check_attention(rng, use_kernels):
                              lambda m, d, c: split(m.attention_backward(d, c)), factors=factors,
                              axes={"forward": ("B", "N", "D"), "dq": heads, "dk": heads, "dv": heads})
     core = PairLayer(lambda qkv: F.attention_forward(qkv, nh), lambda dout, cache: F.attention_backward(dout, cache))
+
+    def alternatives(dout):                                                     # dv without P's transpose
+        q, k, _ = (to_numpy(qkv).reshape(B, N, 3, nh, hs)[:, :, i].transpose(0, 2, 1, 3) for i in range(3))
+        scores = q @ k.swapaxes(-1, -2) / math.sqrt(hs)                         # (B, nh, N, N)
+        P = np.exp(scores - scores.max(-1, keepdims=True))
+        P /= P.sum(-1, keepdims=True)
+        dctx = to_numpy(dout).reshape(B, N, nh, hs).transpose(0, 2, 1, 3)      # (B, nh, N, hs)
+        return {"dv": [((P @ dctx).transpose(0, 2, 1, 3),
+                        "dv = P @ dout: the transpose of P is missing. ctx = P v, so dv = P^T @ dout (row j of v "
+                        "is read by every query i, weighted by P[i, j]), not P @ dout")]}
+
     return rows + _gradient_rows("attention", core, qkv, split_input=split, factors=factors,
-                                 axes={"dq": heads, "dk": heads, "dv": heads})
+                                 axes={"dq": heads, "dk": heads, "dv": heads}, alternatives=alternatives)
 
 
 def check_attention_layer(rng, use_kernels):
@@ -710,6 +728,8 @@ def check_adamw(rng, use_kernels):
             _forward_row("adamw", "step 1: v = (1 - b2) g^2", v, (1 - b2) * grads[0] ** 2, factors=factors),
             _forward_row("adamw", "step 1 (eps = wd = 0): p moves by -lr sign(g)", p - p0, -lr * xp.sign(grads[0]),
                          factors=factors)]
+    for row, name, before, after in zip(rows, ("m", "v", "p"), (xp.zeros(shape), xp.zeros(shape), p0), (m, v, p)):
+        _rebound(row, name, before, after, "adamw_update")
     p = p0.copy()                                                 # g = 0: only the decoupled decay moves p
     F.adamw_update(p, xp.zeros(shape), xp.zeros(shape), xp.zeros(shape), lr, b1, b2, eps, wd, 1)
     rows.append(_forward_row("adamw", "g = 0: p <- p (1 - lr wd)", p, p0 * (1 - lr * wd),
@@ -755,6 +775,7 @@ def check_sgd(rng, use_kernels):
     p = p0.copy()
     F.sgd_update(p, grads[0], None, lr, 0.0, False, 0.0)
     rows.append(_forward_row("sgd", "no momentum: p <- p - lr g", p, p0 - lr * grads[0], factors={"lr": lr}))
+    _rebound(rows[-1], "p", p0, p, "sgd_update")
 
     def by_hand(p, g, buf, t, decay):                             # the momentum buffer: None before step 1
         return F.sgd_update(p, g, buf, lr, mu, False, decay)
@@ -771,14 +792,33 @@ def _optimizer_rows(op, make, by_hand, new_state, wd, rng):
     layer.params["bias"][...] = _random(rng, 6)
     opt = make(layer)
     hand = {name: [p.copy(), new_state(p)] for name, p in layer.params.items()}
+    arrays = dict(layer.params.items())                           # the arrays the model holds, by identity
     for t in range(1, 4):
         for name, g in layer.grads.items():
             g[...] = _random(rng, g.shape)
             p, state = hand[name]
             hand[name][1] = by_hand(p, g, state, t, 0.0 if name == "bias" else wd)
         opt.step()
-    return [_forward_row(op, f"optim.{type(opt).__name__}.step, 3 steps: {name} vs functional.{op}_update by hand",
-                         layer.params[name], hand[name][0]) for name in layer.params]
+    rows = []
+    for name in layer.params:
+        what = f"optim.{type(opt).__name__}.step, 3 steps: {name} vs functional.{op}_update by hand"
+        if layer.params[name] is not arrays[name]:
+            rows.append(Row(op, what, math.inf, TOL_SAME,
+                            f"the parameter array was replaced (a new array put into params) instead of updated in "
+                            f"place: whatever holds the old array (data parallel's flat buffers, a caller's "
+                            f"reference) no longer sees the model's {name}; update it in place (p -= ..., p[...] = ...)"))
+        else:
+            rows.append(_forward_row(op, what, layer.params[name], hand[name][0]))
+    return rows
+
+
+def _rebound(row, name, before, after, fn):
+    """A WRONG row whose array did not change at all: the update rebound its name to a new array."""
+    if not row.ok and get_array_module(after).array_equal(after, before):
+        row.note = ("the parameter array was rebound, not updated in place: the model's array did not change "
+                    if name == "p" else f"{name} was rebound, not updated in place: the optimizer's {name} did "
+                    f"not change ") + (f"(`{name} = {name} - ...` in {fn} makes a new array, lost on return; write "
+                                       f"`{name} -= ...` or `{name}[...] = ...`)")
 
 
 # name -> (check, what it covers); `python -m minivit.check --help` prints this table
@@ -864,9 +904,13 @@ def _point_kernel_rows_at_gradient_rows(rows):
 
 
 def overfit(steps=40, lr=1e-2, optimizer="adamw", seed=0):
-    """Train a tiny float64 ViT on one batch of 20 `shapes` images; return the loss before each step.
-    With every backward right the loss falls from about log(10) = 2.3 towards 0; a bug shows as a loss that
-    stalls, creeps or blows up. float64 runs functional.py as it stands, so an edited function is what trains.
+    """Train a tiny float64 ViT on one batch of 20 `shapes` images; return the loss before each step (a list,
+    Losses, whose ``summary(reference)`` says what the curve does and does not show).
+    With every backward right the loss falls from about log(10) = 2.3 towards 0. A bug may show as a loss
+    that stalls, creeps or blows up, but it need not: a wrong gradient can still train, even to a lower loss
+    than the right one (a gradient too large by a factor acts as a larger learning rate). So a falling or
+    lower loss proves nothing about the gradients; check.run() and check.run_model() compare them.
+    float64 runs functional.py as it stands, so an edited function is what trains.
     optimizer: "adamw" (no weight decay) or "sgd" (momentum 0.9)."""
     if optimizer not in ("adamw", "sgd"):
         raise ValueError(f"optimizer must be 'adamw' or 'sgd', got {optimizer!r}")
@@ -882,7 +926,27 @@ def overfit(steps=40, lr=1e-2, optimizer="adamw", seed=0):
         model.backward(dlogits)
         opt.step()
         losses.append(loss)
-    return losses
+    return Losses(losses)
+
+
+class Losses(list):
+    """overfit's losses, a list; ``summary(reference)`` puts them in words, and says what they cannot show."""
+
+    def summary(self, reference=None):
+        """The first and last loss, against a reference run's (minivit's own backward) if given."""
+        text = f"loss {self[0]:.3f} -> {self[-1]:.3f} in {len(self)} steps"
+        if not all(math.isfinite(v) for v in self):
+            return text + ": it blew up (NaN or inf), so some gradient or update is wrong"
+        if reference is not None:
+            ref = reference[-1]
+            if abs(self[-1] - ref) <= 1e-9 * max(1.0, abs(ref)):
+                text += f"; the reference ends at {ref:.3f} too: the same curve"
+            else:
+                text += (f"; the reference ends at {ref:.3f}: {'lower' if self[-1] < ref else 'higher'} than it. "
+                         "A different curve means a different gradient or update, and a lower loss does not make it "
+                         "right")
+        return (text + ". A falling loss does not prove the gradients right (a wrong one can train, even faster); "
+                "check.run() compares them")
 
 # --------------------------------------------------------------------------------------------------
 # The model walk: every layer of a model as its classes stand, each on its own input
@@ -1120,7 +1184,7 @@ def _default_model(clip=False, seed=0):
     return ViT(config, seed=seed, dtype="float64")
 
 
-def default_input(model, batch=2, seed=0):
+def default_input(model, batch=3, seed=0):
     """A small random batch of the model's input: images (B, H, W, C) from its config's img_size and
     in_chans; for a CLIP, (images, tokens) with <end> the highest id."""
     rng = host_rng(seed)
@@ -1142,7 +1206,7 @@ def run_model(model, x=None, seed=0):
     """Check every layer of ``model`` as its classes stand (a student's own layers too), each on its own
     input, by float64 central differences; returns a Report (``print`` it, ``.ok``, ``.wrong()``,
     ``.verdict()``). The model is not changed: its copy is checked, parameters moved off their initial
-    values and dropout rates set to 0. x: its input (default: a batch of 2 random images of its config's
+    values and dropout rates set to 0. x: its input (default: a batch of 3 random images of its config's
     shape)."""
     start = time.perf_counter()
     if not isinstance(model, L.Layer):
@@ -1156,7 +1220,7 @@ def run_model(model, x=None, seed=0):
         if isinstance(layer, L.Dropout):
             layer.p = 0.0
     _randomise(model, host_rng(seed), 0.1)
-    x = default_input(model, seed=seed) if x is None else x
+    x = default_input(model, seed=seed) if x is None else x     # B = 3: 1/B is not 0.5
     rows, first = walk_rows(model, x)
     hints = {first: _walk_hint(first, "")} if first else {}
     return Report(rows, hints, time.perf_counter() - start)

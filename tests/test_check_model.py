@@ -257,3 +257,127 @@ def test_the_default_command_walks_the_vit_and_clip_walks_clip():
     run = _cli("--clip")
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr
     assert "text.blocks.0.attn" in run.stdout and "visual.blocks.0.mlp.fc1" in run.stdout
+
+
+# ---- diagnoses that point at the right place (issue 28, item 4) --------------------------------------------
+
+
+def adamw_rebinding_p(p, g, m, v, lr, beta1, beta2, eps, weight_decay, step):
+    p = p * (1 - lr * weight_decay)                                             # planted: p rebound, twice
+    m *= beta1
+    m += (1 - beta1) * g
+    v *= beta2
+    v += (1 - beta2) * g * g
+    p = p - lr * (m / (1 - beta1 ** step)) / ((v / (1 - beta2 ** step)) ** 0.5 + eps)   # noqa: F841
+
+
+def test_an_adamw_that_rebinds_p_is_named_as_such():
+    with C.replaced(F, "adamw_update", adamw_rebinding_p):
+        report = C.run(["adamw"], use_kernels=False)
+    row = report.row("adamw", "step 1 (eps = wd = 0): p moves by -lr sign(g)")
+    assert row.status == "WRONG"
+    assert "rebound, not updated in place: the model's array did not change" in row.note
+    assert report.row("adamw", "step 1: m = (1 - b1) g").status == "ok"           # m and v were updated in place
+
+
+def test_an_optimizer_that_replaces_a_parameter_array_is_named_as_such():
+    from minivit import optim
+
+    original = optim.AdamW.step
+
+    def step(self):                                                             # right values, new arrays
+        original(self)
+        for name, p in list(self.model.params.items()):
+            self.model.params[name] = p.copy()
+
+    with C.replaced(optim.AdamW, "step", step):
+        report = C.run(["adamw"], use_kernels=False)
+    wrong = report.wrong()
+    assert {r.what.split(": ")[1].split()[0] for r in wrong} == {"weight", "bias"}
+    assert all("replaced (a new array put into params) instead of updated in place" in r.note for r in wrong)
+
+
+def attention_backward_without_transpose_in_dv(dout, cache):
+    q, k, v, attn, scale = cache
+    B, nh, N, hs = q.shape
+    dctx = dout.reshape(B, N, nh, hs).transpose(0, 2, 1, 3)
+    dv = attn @ dctx                                                            # planted: attn^T
+    dscores = F.softmax_backward(dctx @ v.swapaxes(-1, -2), attn)
+    return F.merge_heads(dscores @ k * scale, dscores.swapaxes(-1, -2) @ q * scale, dv)
+
+
+def test_dv_without_the_transpose_is_diagnosed_and_no_linear_is_blamed():
+    with C.replaced(F, "attention_backward", attention_backward_without_transpose_in_dv):
+        report = C.run(["attention"], use_kernels=False)
+        walk = C.run_model(C._default_model())
+    row = report.row("attention", "dv")
+    assert row.status == "WRONG" and "transpose of P is missing" in row.note
+    assert report.row("attention", "dq").status == "ok" and report.row("attention", "dk").status == "ok"
+    assert {r.op for r in walk.wrong()} == {"blocks.0.attn", "blocks.1.attn"}     # not attn.qkv: it is right
+    assert "'attention' rows" in walk.wrong()[0].note
+
+
+def pos_embed_backward_shifted(self, dout):
+    T = int(self.class_token) + self.num_registers
+    self.grads["pos_embed"] += dout.sum(0, keepdims=True)
+    self.grads["cls_token"] += dout[:, :1].sum(0, keepdims=True)
+    return dout[:, T - 1:-1]                                                    # planted: one token early
+
+
+def pool_backward_wrong_token(self, dout):
+    B, S, D = self._need_cache()
+    dx = get_array_module(dout).zeros((B, S, D), dtype=dout.dtype)
+    dx[:, 1] = dout                                                             # planted: token 1, not 0
+    return dx
+
+
+@pytest.mark.parametrize("owner, bug, path", [(L.PosEmbed, pos_embed_backward_shifted, "pos_embed"),
+                                              (L.Pool, pool_backward_wrong_token, "pool")])
+def test_a_wrong_prefix_slice_is_blamed_on_the_layer_that_has_it(owner, bug, path):
+    with C.replaced(owner, "backward", bug):
+        report = C.run(["model"], use_kernels=False)
+        walk = C.run_model(C._default_model())
+    hint = report.hints["model"]
+    assert f"whose own check fails (the layers inside it pass) is {path}:" in hint, hint
+    assert "position embedding" not in hint.replace("pos_embed", "") and "patch_embed" not in hint
+    assert {r.op for r in walk.wrong()} == {path}
+
+
+def test_overfit_does_not_say_a_lower_loss_is_a_right_gradient():
+    reference = C.overfit(30, lr=0.05, optimizer="sgd")
+    original = F.cross_entropy_backward
+    with C.replaced(F, "cross_entropy_backward", lambda cache: 2 * original(cache)):    # wrong: x2
+        losses = C.overfit(30, lr=0.05, optimizer="sgd")
+    assert losses[-1] < reference[-1]                     # the wrong gradient reaches a lower loss here
+    text = losses.summary(reference)
+    assert "lower than it" in text and "a lower loss does not make it right" in text
+    assert "does not prove the gradients right" in reference.summary(reference)
+    assert "lower loss than the right one" in " ".join(C.overfit.__doc__.split())
+    readme = (ROOT / "README.md").read_text()
+    assert "only worse" not in readme and "even to a lower loss" in readme
+
+
+def test_the_verdict_groups_rows_that_share_a_note():
+    with C.replaced(F, "gelu_backward", lambda d, c: 0 * d):
+        report = C.run(["gelu"], use_kernels=False)
+    verdict = report.verdict()
+    zero = [line for line in verdict.splitlines() if "zero everywhere" in line]
+    assert len(zero) == 1 and "gelu_erf dx" in zero[0] and "gelu_tanh dx" in zero[0], verdict
+
+
+def test_a_kernel_row_defers_to_its_wrong_gradient_row_and_names_the_python_switch():
+    from minivit import kernels
+
+    if not kernels.HAVE_NUMBA:
+        pytest.skip("no Numba: the kernel rows are skipped")
+    original = F.softmax_backward
+    with C.replaced(F, "softmax_backward", lambda d, s: 2 * original(d, s)):
+        report = C.run(["softmax"])
+    kernel = [r for r in report.wrong() if "kernels." in r.what]
+    assert kernel and all("the gradient row dx is WRONG too" in r.note for r in kernel)
+    assert "x2" in report.row("softmax", "dx").note
+    forward = kernels.layernorm_forward
+    with C.replaced(kernels, "layernorm_forward", lambda x, w, b, eps: (2 * forward(x, w, b, eps)[0],
+                                                                       forward(x, w, b, eps)[1])):
+        row = C.run(["layernorm"]).row("layernorm", "forward vs kernels.layernorm_forward, float32")
+    assert "check.run(..., use_kernels=False)" in row.note
