@@ -20,6 +20,20 @@ functional.layernorm_backward is what is checked) and the layers built from thei
     print(report); report.ok; report.wrong()          # rows: .op, .what, .error, .note, .got, .expected
     with check.replaced(F, "gelu_backward", my_gelu_backward):   # yours in place of minivit's, then restored
         print(check.run(["gelu"]).verdict())
+
+The model walk (run with no NAME, with --clip, with --model FILE.py:FUNC, or check.run_model(model)) checks
+a model as its classes stand, so a layer check.py has never seen needs no reference: one float64 forward in
+training mode records each layer's input (its forward wrapped, then restored), and every layer is checked
+on its own input by central differences, children before parents (depth first, post-order). A layer called
+with more than its input (an attention mask) is checked with the rest held fixed; one whose backward
+returns several gradients (CLIP's similarity) is "not checked: takes N inputs". Rows are named by the
+layer's path ("blocks.1.attn") and the tensor ("dgamma"; "blocks.1.gamma" in the summary). A layer with a
+WRONG layer inside is "skipped: fix <path> first"; one whose layers are right but which is wrong is WRONG
+under its own path. The textbook compositions below (_layernorm, _attention, _block ...) serve diagnosis
+only: a layer of their class that no longer computes them is "differs" ("forward differs from the textbook
+<op>: checked by numerical gradients only"), never WRONG.
+
+    report = check.run_model(model)                   # a copy of model, float64; x: a batch of 3 images
 """
 
 import argparse
@@ -87,8 +101,9 @@ class Report:
     """The rows of a check, in order; ``ok`` when none is WRONG. ``print(report)`` shows the table (composite
     ops fold their right parameter gradients into one line; ``report.table(verbose=True)`` shows all)."""
 
-    def __init__(self, rows, hints, seconds):
+    def __init__(self, rows, hints, seconds, fold_ok=False):
         self.rows, self.hints, self.seconds = rows, hints, seconds
+        self.fold_ok = fold_ok   # a model walk: a layer whose rows are all ok is shown on one line
 
     @property
     def ok(self):
@@ -110,6 +125,13 @@ class Report:
         shown = []
         for op in ops:
             rows = [r for r in self.rows if r.op == op]
+            if self.fold_ok and not verbose and all(r.status == "ok" for r in rows):
+                grads = [r.what for r in rows if r.tensor is not None]
+                what = ", ".join(grads[:3]) + (f" and {len(grads) - 3} more" if len(grads) > 3 else "")
+                if len(rows) > len(grads):
+                    what = "forward = textbook, " + what
+                shown.append(Row(op, what, max(r.error for r in rows), max(r.tol for r in rows)))
+                continue
             params = [r for r in rows if r.tensor not in (None, "input")]
             if verbose or len(params) <= 6:
                 shown += rows
@@ -1125,9 +1147,11 @@ def walk_rows(model, x):
         max_checks = None if leaf and size <= LEAF_ALL else WALK_MAX_CHECKS
         probe = xin if bound.float_input else asarray(np.zeros(1), dtype="float64")
         axes = {"dx": _axes_for(xin)}
-        refs = {}
+        refs = {"dx": {}}                               # what an error in dx may be proportional to, row by row
         if textbook is not None and textbook.status == "ok" and isinstance(layer, L.LayerNorm):
-            refs["dx"] = {"xhat": (xin - xin.mean(-1, keepdims=True)) / (xin.var(-1, keepdims=True) + layer.eps) ** 0.5}
+            refs["dx"]["xhat"] = (xin - xin.mean(-1, keepdims=True)) / (xin.var(-1, keepdims=True) + layer.eps) ** 0.5
+        if bound.float_input:
+            refs["dx"]["x"] = xin                       # a norm's term through x (RMSNorm's mean of x^2)
         try:
             grad_rows = _gradient_rows(path, bound, probe, axes=axes, refs=refs, factors={"B": xin.shape[0]},
                                        max_checks=max_checks, check_input=bound.float_input)
@@ -1223,7 +1247,7 @@ def run_model(model, x=None, seed=0):
     x = default_input(model, seed=seed) if x is None else x     # B = 3: 1/B is not 0.5
     rows, first = walk_rows(model, x)
     hints = {first: _walk_hint(first, "")} if first else {}
-    return Report(rows, hints, time.perf_counter() - start)
+    return Report(rows, hints, time.perf_counter() - start, fold_ok=True)
 
 
 def load_model(spec):

@@ -211,6 +211,8 @@ def test_a_planted_bug_is_named_by_layer_and_tensor_and_nothing_right_is_blamed(
             assert r.status == f"skipped: fix {path} first", r
     if change == "composite owns gamma":
         assert "x0.5" in report.row("blocks.1", "dgamma").note
+    if change == "leaf swapped (RMSNorm)":
+        assert "proportional to x along D" in report.row("blocks.0.norm1", "dx").note
     if change == "temperature":
         assert "wrong sign" in report.row("blocks.1.attn", "dtemperature").note
     assert path in report.verdict()
