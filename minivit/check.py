@@ -886,6 +886,22 @@ def select(names=None):
     return chosen
 
 
+def _textbook_differs(op, err):
+    """A "differs" row where check.py's own textbook code raised on a layer class whose arrays are not the
+    textbook's (a LayerNorm made an RMSNorm: KeyError 'bias'); None where the error came from the layer's
+    code or functional.py (a student's bug, reported as raised)."""
+    if not isinstance(err, (KeyError, AttributeError, IndexError)):
+        return None
+    frames = [f for f in traceback.extract_tb(err.__traceback__)
+              if not (f.filename.endswith("layers.py") and f.name in ("__getitem__", "_locate"))]
+    if not frames or not frames[-1].filename.endswith("check.py"):
+        return None
+    return Row(op, "forward vs textbook", math.nan, TOL_SAME,
+               f"forward differs from the textbook {op} (its class's arrays are not the textbook's: "
+               f"{type(err).__name__} {err}): checked by numerical gradients only, in the model walk "
+               "(python -m minivit.check with no NAME, or check.run_model(model))", status=DIFFERS)
+
+
 def _raised(op, err):
     frame = traceback.extract_tb(err.__traceback__)[-1]
     where = f"{frame.filename.rsplit('/', 1)[-1]}:{frame.lineno} in {frame.name}"
@@ -902,7 +918,7 @@ def run(names=None, use_kernels=True, seed=0):
         try:
             op_rows = check(host_rng(seed), use_kernels)
         except Exception as err:                    # a student's edit that raises: say where, and go on
-            op_rows = [_raised(op, err)]
+            op_rows = [_textbook_differs(op, err) or _raised(op, err)]
         _point_kernel_rows_at_gradient_rows(op_rows)
         rows += op_rows
         if op in COMPOSITE and any(not r.ok for r in op_rows):

@@ -383,3 +383,22 @@ def test_a_kernel_row_defers_to_its_wrong_gradient_row_and_names_the_python_swit
                                                                        forward(x, w, b, eps)[1])):
         row = C.run(["layernorm"]).row("layernorm", "forward vs kernels.layernorm_forward, float32")
     assert "check.run(..., use_kernels=False)" in row.note
+
+
+def test_an_op_whose_class_no_longer_has_the_textbook_arrays_differs_and_a_students_error_still_raises():
+    class NormWithoutBias(RMSNorm):                                             # LayerNorm's signature
+        def __init__(self, dim, eps=1e-6, dtype="float32"):
+            super().__init__(dim, eps, dtype)
+
+    with C.replaced(L, "LayerNorm", NormWithoutBias):                           # every Block builds it now
+        report = C.run(["layernorm", "block"], use_kernels=False)
+    assert report.ok, report.table(verbose=True)
+    assert {r.status for r in report.rows} == {"differs"}
+    assert all("checked by numerical gradients only" in r.note for r in report.rows)
+
+    def broken(self, x):
+        return self.params["beta"] * x                                          # the student's own KeyError
+
+    with C.replaced(L.LayerNorm, "forward", broken):
+        report = C.run(["layernorm"], use_kernels=False)
+    assert report.rows[0].status == "WRONG" and report.rows[0].what == "raised KeyError"
