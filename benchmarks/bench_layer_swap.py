@@ -1,7 +1,7 @@
 """What a swapped attention costs: images/s of a training step of vit_cifar_tiny, three ways.
 
     /work/main/.venv/bin/python benchmarks/bench_layer_swap.py            # batch 64, 7 rounds
-    .venv/bin/python benchmarks/bench_layer_swap.py --batch 128 --rounds 9
+    MINIVIT_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 .venv/bin/python benchmarks/bench_layer_swap.py --rounds 9
 
 - default:     minivit's Attention (the fused kernel, kernels.attention_forward/backward)
 - temp-folded: layer_examples.TempAttention in every block, the temperature folded into q: the kernel stays
@@ -63,20 +63,23 @@ def main():
             print("   ", line)
         step(models[k], x, y)                                     # warm-up (probes, Numba compiles)
     times = {k: [] for k in kinds}
+    cpu = {k: [] for k in kinds}
     for r in range(args.rounds):
         for k in kinds[r % 3:] + kinds[:r % 3]:
             step(models[k], x, y)                                 # not timed: the other's threads settle
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             for _ in range(2):
                 step(models[k], x, y)
             times[k].append((time.perf_counter() - start) / 2)
-    base = statistics.median(times["default"])
-    print(f"\nvit_cifar_tiny training step, batch {args.batch}, median of {args.rounds} alternated rounds")
-    print("| variant | ms / step | images/s | vs default |")
-    print("|---|---:|---:|---:|")
+            cpu[k].append((time.process_time() - start_cpu) / 2)
+    base, base_cpu = statistics.median(times["default"]), statistics.median(cpu["default"])
+    print(f"\nvit_cifar_tiny training step, batch {args.batch}, median of {args.rounds} alternated rounds "
+          f"(CPU time: of this process, steadier on a loaded machine)")
+    print("| variant | ms / step | images/s | vs default | CPU ms / step | CPU vs default |")
+    print("|---|---:|---:|---:|---:|---:|")
     for k in kinds:
-        t = statistics.median(times[k])
-        print(f"| {k} | {t * 1e3:.1f} | {args.batch / t:.0f} | {base / t:.2f}x |")
+        t, c = statistics.median(times[k]), statistics.median(cpu[k])
+        print(f"| {k} | {t * 1e3:.1f} | {args.batch / t:.0f} | {base / t:.2f}x | {c * 1e3:.0f} | {base_cpu / c:.2f}x |")
 
 
 if __name__ == "__main__":

@@ -60,6 +60,7 @@ def test_default_model_reports_the_kernels_that_ops_chose():
     r = ops.report(model(), training=True)
     assert r.ops_from("kernels") == ["attention", "gelu", "layernorm", "linear"]
     assert r.ops_from("functional") == []
+    assert r.ops_from("kernels") == ops.report().from_kernels()     # what ops' own verdicts chose
     assert r.uses_kernel("blocks.0-2.attn", "attention") and r.uses_kernel("blocks.0-2.norm1", "layernorm")
     assert r.uses_kernel("blocks.0-2.mlp.act", "gelu") and r.uses_kernel("head", "linear")
     assert "blocks.0-2.attn: attention (kernels.attention_forward/backward)" in str(r)
