@@ -15,7 +15,6 @@ import math
 
 from . import functional as F
 from . import ops
-from .backend import get_array_module
 from .layers import Attention, ones
 
 
@@ -39,13 +38,14 @@ class TempAttention(Attention):
         return new
 
     def forward(self, x, mask=None):                                 # (B, N, D)
-        xp = get_array_module(x)
         B, N, D = x.shape
         nh, tau = self.num_heads, self.params["tau"]
         qkv = self.qkv.forward(x).reshape(B, N, 3, nh, D // nh)      # (B, N, 3, nh, hs)
-        q_scaled = qkv[:, :, 0] / tau[:, None]                       # (B, N, nh, hs)  q' = q / tau
-        qkv_scaled = xp.concatenate([q_scaled[:, :, None], qkv[:, :, 1:]], axis=2).reshape(B, N, 3 * D)
-        ctx, cache = ops.attention_forward(qkv_scaled, nh, mask)     # (B, N, D), the kernel when checked
+        # q' = q / tau, in place: qkv is a new array that nothing else keeps (Linear's cache holds x), and
+        # dividing it where it lies saves a copy of all of qkv (a speed trick, not part of the idea)
+        qkv[:, :, 0] /= tau[:, None]
+        q_scaled = qkv[:, :, 0]                                      # (B, N, nh, hs), a view
+        ctx, cache = ops.attention_forward(qkv.reshape(B, N, 3 * D), nh, mask)  # (B, N, D), the kernel when checked
         self.cache = (cache, q_scaled) if self.training else None
         return self.drop.forward(self.proj.forward(ctx))             # (B, N, D)
 
@@ -57,7 +57,7 @@ class TempAttention(Attention):
         dqkv = ops.attention_backward(dctx, cache).reshape(B, N, 3, nh, hs)  # d(qkv'): (B, N, 3, nh, hs)
         dq_scaled = dqkv[:, :, 0]                                    # (B, N, nh, hs)
         self.grads["tau"] += -(dq_scaled * q_scaled).sum(axis=(0, 1, 3)) / tau   # dq'/dtau = -q / tau^2 = -q' / tau
-        dqkv[:, :, 0] = dq_scaled / tau[:, None]                     # dq = dq' / tau
+        dqkv[:, :, 0] /= tau[:, None]                                # dq = dq' / tau (in place, as above)
         return self.qkv.backward(dqkv.reshape(B, N, 3 * nh * hs))    # (B, N, D)
 
     @property
