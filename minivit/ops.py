@@ -37,6 +37,7 @@ dropout, tanh, the loss): those have no twin.
 
 import math
 import os
+import sys
 import time
 import warnings
 
@@ -449,9 +450,9 @@ def report(model=None, x=None, training=False):
     because its layer changed (minivit/ops_report.py; print it). x=None: two random images of the model's
     config. Without a model: which op ran from where so far in this process, and why (a Report table)."""
     if model is not None:
-        from .ops_report import record
+        from . import ops_report
 
-        return record(model, x, training)
+        return ops_report.record(sys.modules[__name__], model, x, training)
     rows = Report()
     for v in _verdicts.values():
         rows.append((v.op, v.backend, v.key, v.source, v.reason, v.calls, v.seconds))

@@ -21,21 +21,32 @@ import re
 
 import numpy
 
-from . import ops
+from . import kernels
 from .backend import asarray, backend_of, is_array
-from .layers import GELU, Attention, LayerNorm, Linear
 
-# The minivit layers that have a fast twin, and the op they call
-KERNEL_LAYERS = ((Attention, "attention", "the fused attention kernel"),
-                 (LayerNorm, "layernorm", "the LayerNorm kernel"),
-                 (GELU, "gelu", "the GELU kernel"),
-                 (Linear, "linear", "the Linear kernel"))
+# ops.py sits above this file (it calls record() from ops.report) and layers.py above ops.py, so neither
+# is imported here: record() is handed the ops module, and minivit's layer classes are known by name.
+
+# minivit.layers' classes that have a fast twin, the op each calls, and the kernel's name in the lines
+KERNEL_LAYERS = (("Attention", "attention", "the fused attention kernel"),
+                 ("LayerNorm", "layernorm", "the LayerNorm kernel"),
+                 ("GELU", "gelu", "the GELU kernel"),
+                 ("Linear", "linear", "the Linear kernel"))
 
 # Where minivit's ViT (and CLIP's towers) put those layers, by attribute name: a layer of another class
 # found under one of these names stands where a kernel layer stood
-KERNEL_SLOTS = {"norm1": LayerNorm, "norm2": LayerNorm, "norm": LayerNorm, "norm_pre": LayerNorm,
-                "attn": Attention, "act": GELU,
-                "qkv": Linear, "proj": Linear, "fc1": Linear, "fc2": Linear, "head": Linear}
+KERNEL_SLOTS = {"norm1": "LayerNorm", "norm2": "LayerNorm", "norm": "LayerNorm", "norm_pre": "LayerNorm",
+                "attn": "Attention", "act": "GELU",
+                "qkv": "Linear", "proj": "Linear", "fc1": "Linear", "fc2": "Linear", "head": "Linear"}
+
+
+def _minivit_base(layer, name):
+    """Whether minivit.layers' class `name` is layer's class or one of its bases; "own" when it is the class."""
+    mro = type(layer).__mro__
+    found = [c for c in mro if c.__name__ == name and c.__module__ == "minivit.layers"]
+    if not found:
+        return None
+    return "own" if found[0] is mro[0] else "base"
 
 
 class Recording:
@@ -57,9 +68,9 @@ class Recording:
 def _why_functional(op, x):
     if x.dtype != numpy.float32:
         return f"{x.dtype}: always the math as written"
-    if not ops.fast_kernels_enabled():
+    if not _ops.fast_kernels_enabled():
         return "fast kernels off"
-    if backend_of(x) == "numpy" and not ops.kernels.HAVE_NUMBA:
+    if backend_of(x) == "numpy" and not kernels.HAVE_NUMBA:
         return "Numba is not installed"
     return "its twin disagrees with functional.py as it stands"
 
@@ -82,9 +93,15 @@ def _random_input(model):
     return asarray(rng.standard_normal((2, H, W, config.in_chans)), dtype=model.dtype, backend=model.backend)
 
 
-def record(model, x=None, training=False):
+_ops = None   # minivit.ops, handed over by ops.report
+
+
+def record(ops, model, x=None, training=False):
     """Run model once on x with every sublayer's forward/backward noted (see the module docstring);
-    returns an OpsReport. The model's mode, gradients, caches and random generators are as before."""
+    returns an OpsReport. The model's mode, gradients, caches and random generators are as before.
+    ops: the minivit.ops module (ops.report passes itself)."""
+    global _ops
+    _ops = ops
     if x is None:
         x = _random_input(model)
     named = list(model.named_sublayers())
@@ -193,13 +210,14 @@ class OpsReport:
         cls = type(layer).__name__
         slot = KERNEL_SLOTS.get(path.rsplit(".", 1)[-1])
         for base, op, kernel in KERNEL_LAYERS:
-            if isinstance(layer, base) or (not own and slot is base):
-                if type(layer) is base:
+            kind = _minivit_base(layer, base)
+            if kind or (not own and slot == base):
+                if kind == "own":
                     where = "minivit's own, its forward replaced" if "forward" in layer.__dict__ else ""
-                elif isinstance(layer, base):
-                    where = f"a subclass of {base.__name__}"
+                elif kind == "base":
+                    where = f"a subclass of {base}"
                 else:
-                    where = f"in the place of minivit's {base.__name__}"
+                    where = f"in the place of minivit's {base}"
                 if op in calls:
                     return "" if own else f"{path} is {cls} ({where}), which calls ops.{op}_forward: {kernel} stays in use"
                 return (f"{path} is {cls}" + (f" ({where})" if where else "") +
