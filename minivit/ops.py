@@ -9,7 +9,8 @@ agree with the pair's to float32 precision. So:
 
 - edit a pair in functional.py (or replace it: ``minivit.functional.gelu_forward = my_gelu``) and your
   version is what runs, in float32 as in float64. One warning (FastPathDisagrees) names the op and by how
-  much the twin differed; ``report()`` lists what ran from where.
+  much the twin differed; ``report()`` lists what ran from where, and ``report(model)`` what each layer
+  of the model runs: its own code, functional.py's pair, or a named kernel (minivit/ops_report.py).
 - float64 always runs functional.py: the gradient checks and the parity tests see the math as written.
 - ``set_fast_kernels(False)`` (or the environment variable MINIVIT_FAST_KERNELS=0) runs functional.py
   for every op, e.g. to step through it in a debugger.
@@ -36,6 +37,7 @@ dropout, tanh, the loss): those have no twin.
 
 import math
 import os
+import sys
 import time
 import warnings
 
@@ -300,67 +302,79 @@ def linear_forward(x, weight, bias=None, matmul_dtype=None):
     checked like the others, at float16's tolerance, and taken whatever set_fast_kernels says (you asked
     for it); if it disagrees with functional.py, functional.py runs in float32."""
     if matmul_dtype is not None:
-        if _verdict("linear", x, ("float16",)).fast:
-            return kernels.linear_forward(x, weight, bias, matmul_dtype)
-    elif uses_twin("linear", x):
-        return kernels.linear_forward(x, weight, bias)
+        fast = _verdict("linear", x, ("float16",)).fast
+    else:
+        fast = uses_twin("linear", x)
+    if _recorder is not None:
+        _recorder.note("linear", "forward", fast, x)
+    if fast:
+        return kernels.linear_forward(x, weight, bias, matmul_dtype)
     return F.linear_forward(x, weight, bias)
 
 
 def linear_backward(dout, cache):
-    if cache[0].dtype != dout.dtype or uses_twin("linear", dout):   # a float16 cache: the mixed twin made it
-        return kernels.linear_backward(dout, cache)
-    return F.linear_backward(dout, cache)
+    fast = cache[0].dtype != dout.dtype or uses_twin("linear", dout)   # a float16 cache: the mixed twin made it
+    if _recorder is not None:
+        _recorder.note("linear", "backward", fast, dout)
+    return (kernels if fast else F).linear_backward(dout, cache)
 
 
 def layernorm_forward(x, weight, bias, eps=1e-6):
-    if uses_twin("layernorm", x, (x.shape[-1],)):
-        return kernels.layernorm_forward(x, weight, bias, eps)
-    return F.layernorm_forward(x, weight, bias, eps)
+    fast = uses_twin("layernorm", x, (x.shape[-1],))
+    if _recorder is not None:
+        _recorder.note("layernorm", "forward", fast, x)
+    return (kernels if fast else F).layernorm_forward(x, weight, bias, eps)
 
 
 def layernorm_backward(dout, cache):
-    if uses_twin("layernorm", dout, (dout.shape[-1],)):
-        return kernels.layernorm_backward(dout, cache)
-    return F.layernorm_backward(dout, cache)
+    fast = uses_twin("layernorm", dout, (dout.shape[-1],))
+    if _recorder is not None:
+        _recorder.note("layernorm", "backward", fast, dout)
+    return (kernels if fast else F).layernorm_backward(dout, cache)
 
 
 def gelu_forward(x, approximate="erf"):
-    if uses_twin("gelu", x, (approximate,)):
-        return kernels.gelu_forward(x, approximate)
-    return F.gelu_forward(x, approximate)
+    fast = uses_twin("gelu", x, (approximate,))
+    if _recorder is not None:
+        _recorder.note("gelu", "forward", fast, x)
+    return (kernels if fast else F).gelu_forward(x, approximate)
 
 
 def gelu_backward(dout, cache):
-    if uses_twin("gelu", dout, (cache[1],)):
-        return kernels.gelu_backward(dout, cache)
-    return F.gelu_backward(dout, cache)
+    fast = uses_twin("gelu", dout, (cache[1],))
+    if _recorder is not None:
+        _recorder.note("gelu", "backward", fast, dout)
+    return (kernels if fast else F).gelu_backward(dout, cache)
 
 
 def softmax_forward(x):
-    if uses_twin("softmax", x, (x.shape[-1],)):
-        return kernels.softmax_forward(x)
-    return F.softmax_forward(x)
+    fast = uses_twin("softmax", x, (x.shape[-1],))
+    if _recorder is not None:
+        _recorder.note("softmax", "forward", fast, x)
+    return (kernels if fast else F).softmax_forward(x)
 
 
 def softmax_backward(dout, cache):
-    if uses_twin("softmax", dout, (dout.shape[-1],)):
-        return kernels.softmax_backward(dout, cache)
-    return F.softmax_backward(dout, cache)
+    fast = uses_twin("softmax", dout, (dout.shape[-1],))
+    if _recorder is not None:
+        _recorder.note("softmax", "backward", fast, dout)
+    return (kernels if fast else F).softmax_backward(dout, cache)
 
 
 def attention_forward(qkv, num_heads, mask=None):
     B, N, D3 = qkv.shape
-    if uses_twin("attention", qkv, (N, D3 // 3, num_heads, mask is not None)):
-        return kernels.attention_forward(qkv, num_heads, mask)   # cache: a kernels.AttentionCache
-    return F.attention_forward(qkv, num_heads, mask)
+    fast = uses_twin("attention", qkv, (N, D3 // 3, num_heads, mask is not None))
+    if _recorder is not None:
+        _recorder.note("attention", "forward", fast, qkv)
+    return (kernels if fast else F).attention_forward(qkv, num_heads, mask)   # fused: a kernels.AttentionCache
 
 
 def attention_backward(dout, cache):
     """The backward that matches the forward that made cache (the fused cache holds no weights)."""
-    if isinstance(cache, kernels.AttentionCache):
-        return kernels.attention_backward(dout, cache)
-    return F.attention_backward(dout, cache)
+    fast = isinstance(cache, kernels.AttentionCache)
+    if _recorder is not None:
+        _recorder.note("attention", "backward", fast, dout)
+    return (kernels if fast else F).attention_backward(dout, cache)
 
 
 def attention_weights(cache):
@@ -424,8 +438,21 @@ class Report(list):
         return sum(row[6] or 0.0 for row in self)
 
 
-def report():
-    """Which op ran from where so far in this process, and why (a Report; print it)."""
+# While ops_report records a model's forward (and backward), _recorder is its Recording: each op above
+# notes which implementation ran, for the layer running it. None otherwise: one check, no other cost.
+_recorder = None
+
+
+def report(model=None, x=None, training=False):
+    """What runs from where. With a model: run it once on x (eval forward; training=True: a training
+    forward and backward too, model state restored) and return, per layer, which ops each layer called and
+    which implementation ran, including a layer of your own that calls none, and a kernel that dropped out
+    because its layer changed (minivit/ops_report.py; print it). x=None: two random images of the model's
+    config. Without a model: which op ran from where so far in this process, and why (a Report table)."""
+    if model is not None:
+        from . import ops_report
+
+        return ops_report.record(sys.modules[__name__], model, x, training)
     rows = Report()
     for v in _verdicts.values():
         rows.append((v.op, v.backend, v.key, v.source, v.reason, v.calls, v.seconds))

@@ -468,19 +468,21 @@ def evaluate(model, x_test, y_test, mean, std, dtype, batch_size=500):
 
 
 def announce_ops(model, optimizer, images, mean, std, dtype, forward=True):
-    """Which ops will run from kernels.py and which from functional.py (minivit/ops.py), as lines to print.
-    One forward in eval mode on a couple of images (no caches kept, no dropout drawn, so the run itself is
-    unchanged) makes ops check every fast twin the model uses against functional.py as it stands now
-    (forward=False: the caller has run that forward, e.g. CLIPTask.announce_forward)."""
-    was_training = model.training
-    try:
-        if forward:
-            model.eval().forward(A.normalize(images, mean, std, dtype))
-    finally:
-        model.train(was_training)
-    if isinstance(optimizer, AdamW):
-        ops.uses_twin("adamw", next(iter(model.params.values())))
-    return ops.summary_lines()
+    """Which ops will run from kernels.py and which from functional.py (minivit/ops.py), as lines to print,
+    and a line for each group of layers that are your code (or where a kernel dropped out or stayed).
+    One training forward and backward on a couple of images, recorded layer by layer (ops.report; the
+    model's gradients, caches and random generators are put back, so the run itself is unchanged), makes
+    ops check every fast twin the model uses against functional.py as it stands now.
+    forward=False: the caller has run that forward (CLIPTask.announce_forward); the lines then say which
+    ops ran so far, not per layer."""
+    p = next(iter(model.params.values()))
+    fast_update = ops.uses_twin("adamw", p) if isinstance(optimizer, AdamW) else None
+    if not forward:
+        return ops.summary_lines()
+    recorded = ops.report(model, A.normalize(images, mean, std, dtype), training=True)
+    if fast_update is not None:
+        recorded.note_optimizer("adamw", fast_update, p)
+    return recorded.summary_lines(probe_seconds=ops.report().probe_seconds)
 
 
 # --------------------------------------------------------------------------------------------------

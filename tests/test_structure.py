@@ -27,9 +27,10 @@ LEVELS = [
     ("backend",),                   # NumPy or CuPy: the only module that knows CuPy
     ("functional",),                # the math: pure forward/backward pairs
     ("kernels",),                   # the fast kernels, each named like the pair it replaces
+    ("ops_report",),                # what each layer of a model ran, recorded (ops.report(model) calls it)
     ("ops",),                       # the table that chooses, per op, between functional and kernels
     ("layers", "amp"),              # the building blocks over the pairs; mixed precision's loss scaler
-    ("conv",),                      # convolution pairs and layers, BasicBlock, the hybrid's ConvStem
+    ("conv", "layer_examples"),     # convolution pairs and layers...; layers a student might write, worked
     ("gradcheck",),                 # checks any layer's backward against central differences
     ("model",),                     # ViTConfig, param_shapes, flops, Classifier, ViT, trace, presets
     ("resnet", "clip"),             # models built on the ViT's parts: the CNN baseline, CLIP (branch clip)
