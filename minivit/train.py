@@ -147,6 +147,8 @@ class TrainConfig:
     pos_embed: str = option(None, "the position embedding, the paper's App. D.4 (default: learned)", POS_EMBED_KINDS)
     stem: str = option(None, "patch: P x P patches; conv: the hybrid, a CNN's feature map cut into 1x1 patches "
                              "(default: patch)")
+    num_registers: int = option(None, "learned register tokens after the class token (Darcet et al. 2024; "
+                                      "default: 0)")
     # the schedule and the optimizer
     epochs: float = option(None, "passes over the training images" + FROM_RECIPE)
     max_steps: int = option(None, "at most this many optimizer steps; without epochs, exactly this many")
@@ -206,7 +208,7 @@ RESUME_RUNTIME = ("out", "resume", "overwrite", "progress", "verbose", "backend"
 RESUME_APPLIED = ("epochs", "max_steps", "eval_every", "num_evals")
 RUN_FILES = ("checkpoint.npz", "metrics.jsonl", "summary.json", "curves.png")
 MODEL_FIELDS = ("img_size", "patch_size", "embed_dim", "depth", "num_heads", "mlp_ratio", "pool", "drop_rate",
-                "drop_path_rate", "pos_embed", "stem")
+                "drop_path_rate", "pos_embed", "stem", "num_registers")
 
 
 class TrainingDiverged(RuntimeError):

@@ -171,16 +171,23 @@ def attention_rollout(attentions, residual=True):
     return rollout
 
 
-def rollout_map(rollout, grid_size, num_prefix_tokens=1):
+def rollout_map(rollout, grid_size, num_prefix_tokens=1, class_token=True):
     """What the model's output reads from each patch, as a (B, gh, gw) map scaled to max 1:
-    the class token's row of the rollout over the patch columns, or for a GAP model
-    (num_prefix_tokens=0) the mean of all rows."""
+    the class token's row of the rollout over the patch columns, or for a GAP model (class_token=False, or
+    num_prefix_tokens=0) the mean of the patch tokens' rows, which is what the pool averages.
+
+    The tokens are [cls, reg_1..reg_nr, patches] (timm's layout): num_prefix_tokens = model.config.num_prefix_tokens
+    counts the class token and the registers; with pool="gap" and registers there is no class token, so pass
+    class_token=False (the row 0 is then a register's, not the output's)."""
     r = _host(rollout, "rollout")
     gh, gw = grid_size
     k = num_prefix_tokens
     if r.ndim != 3 or r.shape[1] != r.shape[2] or r.shape[2] != gh * gw + k:
         raise ValueError(f"rollout must be (B, N, N) with N = {gh}*{gw} + {k}, got {r.shape}")
-    rows = r[:, 0, k:] if k else r.mean(1)                       # (B, Np)
+    if class_token and k:
+        rows = r[:, 0, k:]                                       # (B, Np) the class token's row
+    else:
+        rows = r[:, k:, k:].mean(1)                              # (B, Np) the mean of the patch rows
     rows = rows / rows.max(-1, keepdims=True)
     return rows.reshape(-1, gh, gw)                              # (B, gh, gw)
 

@@ -200,3 +200,13 @@ def test_cli_train_predict_plot(tmp_path, capsys):
     assert plot.main([str(out)]) == 0 and (out / "curves.png").exists()
     assert plot.main([str(tmp_path / "nope")]) == 2
     assert predict.main([str(tmp_path / "missing.png"), "--checkpoint", str(out / "checkpoint.npz")]) == 2
+
+
+def test_num_registers_flag_builds_a_model_with_register_tokens(tmp_path):
+    from minivit.train import _parser
+
+    assert _parser().parse_args(["--num-registers", "2"]).num_registers == 2
+    result = train(tiny_cfg(tmp_path, num_registers=2, epochs=None, max_steps=2, train_subset=64))
+    assert result.model.config.num_registers == 2 and result.model.params["reg_token"].shape == (1, 2, 16)
+    saved = ckpt.load_model(tmp_path / "run" / "checkpoint.npz")
+    assert saved.config.num_registers == 2

@@ -197,3 +197,21 @@ def test_similarity_by_distance_averages_each_distance():
     assert m[0] == 0.0
     with pytest.raises(ValueError, match="gh, gw, gh, gw"):
         viz.similarity_by_distance(np.zeros((2, 3, 3, 2)))
+
+
+def test_rollout_map_with_registers_reads_the_output_s_row_not_a_register_s():
+    # tokens [cls, reg_1, reg_2, patches] (pool="cls") or [reg_1, reg_2, patches] (pool="gap"): the map must be
+    # the class token's row, or the mean of the patch rows; never row 0 when row 0 is a register
+    gh, gw, nr = 2, 3, 2
+    N = 1 + nr + gh * gw
+    r = np.zeros((1, N, N))
+    r[0, 0, 1 + nr + 4] = 1.0                                # the class token reads patch 4
+    r[0, 1, 1 + nr + 0] = 1.0                                # a register reads patch 0
+    m = viz.rollout_map(r, (gh, gw), num_prefix_tokens=1 + nr)
+    assert m[0, 1, 1] == 1.0 and m[0, 0, 0] == 0.0
+    N = nr + gh * gw                                         # GAP with registers: no class token
+    r = np.zeros((1, N, N))
+    r[0, 0, nr + 0] = 1.0                                    # register 1's row reads patch 0: not the output
+    r[0, nr:, nr + 5] = 1.0                                  # every patch row reads patch 5 = (1, 2)
+    m = viz.rollout_map(r, (gh, gw), num_prefix_tokens=nr, class_token=False)
+    assert m[0, 1, 2] == 1.0 and m[0, 0, 0] == 0.0
