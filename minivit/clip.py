@@ -396,7 +396,11 @@ class CLIP(Layer):
         """A CLIP with the weights of a Hugging Face transformers CLIPModel folder (save_pretrained's:
         config.json and model.safetensors, sharded or not); see minivit.hf. Saving: minivit.hf.save_pretrained."""
         from .hf import load_clip
-        return load_clip(folder, dtype=dtype)
+        kwargs, state, meta = load_clip(folder)
+        model = cls(CLIPConfig(**kwargs), dtype=dtype).load_state_dict(state)
+        if meta:
+            model.checkpoint_meta = meta          # the preprocessor's mean and std
+        return model
 
     def extra_repr(self):
         c = self.config

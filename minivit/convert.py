@@ -33,6 +33,7 @@ import numpy
 
 from .backend import to_numpy
 from .checkpoint import check_finite, load_checkpoint
+from .hf import load_vit
 from .layers import resize_pos_embed
 from .model import ViT, ViTConfig, param_shapes
 
@@ -477,8 +478,8 @@ def read_checkpoint_file(path):
     if not os.path.exists(path):
         raise FileNotFoundError(f"no checkpoint file at {path!r}")
     if os.path.isdir(path):
-        raise ValueError(f"{path!r} is a directory: pass the checkpoint file inside it "
-                         f"(e.g. model.safetensors, pytorch_model.bin or the .npz)")
+        raise ValueError(f"{path!r} is a directory: pass the checkpoint file inside it (e.g. model.safetensors, "
+                         f"pytorch_model.bin or the .npz), or give a Hugging Face folder to minivit.from_pretrained")
     size = os.path.getsize(path)
     with open(path, "rb") as f:
         head = f.read(16)
@@ -628,11 +629,13 @@ def from_pretrained(path, num_classes=None, img_size=None, num_heads=None, gelu=
     """
     meta = None
     if os.path.isdir(path):                      # a Hugging Face transformers folder (minivit/hf.py)
-        from .hf import load_vit
         if num_heads is not None or gelu is not None or checkpoint_img_size is not None:
             raise ValueError(f"{os.fspath(path)!r} is a transformers folder: its config.json gives the heads, the "
                              f"GELU and the resolution, so num_heads, gelu and checkpoint_img_size must be None")
-        config, state, meta = load_vit(path, num_classes=num_classes, verbose=verbose)
+        config, state, K, meta = load_vit(path, verbose=verbose)
+        config, state = _finish_head(config, state, K, num_classes, repr(os.fspath(path)))
+        if config.num_classes != K:
+            meta.pop("classes", None)            # a new head: the folder's class names are not its classes
     else:
         config, state = load_checkpoint_file(path, num_heads=num_heads, img_size=checkpoint_img_size,
                                              gelu=gelu, num_classes=num_classes, verbose=verbose)

@@ -3,8 +3,10 @@
 A folder written by transformers' ``save_pretrained()`` holds config.json (the sizes) and the weights:
 model.safetensors, or model.safetensors.index.json and its shards, or the older pytorch_model.bin. This
 file reads such a folder into minivit's names and layouts, and writes a minivit ViT or CLIP back as one.
-It is its own file (not convert.py, which holds the timm and JAX layouts) because a folder brings a config
-and class names with it, and because the CLIP half needs minivit.clip, which convert.py must not import.
+It is its own file, not a part of convert.py (the timm and JAX layouts, 600 lines already): a folder
+brings its config and class names, and both towers of CLIP are read here. It sits just above model.py, so
+that convert.from_pretrained (a ViT) and clip.CLIP.from_pretrained can both call it; that is also why
+it has its own small atomic writer and file readers rather than checkpoint.py's and convert.py's.
 
     what                    transformers (published names; 5.x in memory)            minivit
     patch projection        embeddings.patch_embeddings.projection (D, C, P, P)       patch_embed.proj (P*P*C, D)
@@ -28,10 +30,11 @@ command that converts it.
 import json
 import os
 import re
+import secrets
+import types
 
 import numpy
 
-from .checkpoint import check_finite, write_atomic
 from .model import ViT, ViTConfig
 
 CONFIG = "config.json"
@@ -84,13 +87,24 @@ def read_folder(folder):
     if os.path.exists(os.path.join(folder, PREPROCESSOR)):
         preprocessor = _read_json(os.path.join(folder, PREPROCESSOR), PREPROCESSOR)
     arrays = read_weights(folder)
+    bad = [k for k, v in arrays.items() if v.dtype.kind == "f" and not numpy.isfinite(v).all()]
+    if bad:
+        raise ValueError(f"{folder!r}: {len(bad)} weights hold NaN or infinite values ({', '.join(bad[:4])}): a "
+                         f"damaged file, or one saved from a diverged run: use another copy of the weights")
     return config, arrays, preprocessor
+
+
+def _read_safetensors(path):
+    from safetensors.numpy import load_file
+    try:
+        return load_file(path)
+    except Exception as e:  # safetensors raises its own SafetensorError; truncated files land here too
+        raise ValueError(f"{path!r}: a .safetensors file that cannot be read, truncated or corrupt? "
+                         f"({type(e).__name__}: {e})") from None
 
 
 def read_weights(folder):
     """Every weight of a transformers folder, from model.safetensors, its sharded index, or pytorch_model.bin."""
-    from .convert import _read_safetensors
-
     def path(name):
         return os.path.join(folder, name)
 
@@ -122,15 +136,19 @@ def read_weights(folder):
 def _read_bin(path):
     """pytorch_model.bin: a torch.save pickle. Unpickling one safely takes torch's restricted loader, so
     without torch it is refused: reimplementing that loader here would be a security risk, not a lesson."""
-    from .convert import _read_torch
     try:
-        import torch  # noqa: F401
+        import torch
     except ImportError:
         raise ValueError(f"{path!r} is a PyTorch pickle (pytorch_model.bin), which only torch can read safely, and "
                          f"torch is not installed (minivit never needs it). Convert it once where torch is: "
                          f"python -c \"import transformers as t; t.AutoModel.from_pretrained('FOLDER')"
                          f".save_pretrained('FOLDER', safe_serialization=True)\" writes model.safetensors") from None
-    return _read_torch(path)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise ValueError(f"{path!r}: a PyTorch file that cannot be read ({type(e).__name__}: {e})") from None
+    return {k: v.float().numpy() if v.dtype in (torch.float16, torch.bfloat16) else v.numpy()
+            for k, v in state.items() if isinstance(v, torch.Tensor)}
 
 
 def _model_type(config, folder, expected):
@@ -326,11 +344,10 @@ def hf_vit_config(config, class_names=None):
             "id2label": {str(k): n for k, n in enumerate(names)}, "label2id": {n: k for k, n in enumerate(names)}}
 
 
-def load_vit(folder, num_classes=None, verbose=True):
-    """A transformers ViT folder -> (ViTConfig, state, meta): meta holds the class names (id2label) and
-    the preprocessor's mean and std when the folder has them, in the form minivit.predict reads."""
-    from .convert import _finish_head
-
+def load_vit(folder, verbose=True):
+    """A transformers ViT folder -> (ViTConfig, state, K, meta): K the classifier's outputs (None for a
+    ViTModel); meta the class names (id2label) and the preprocessor's mean and std when the folder has
+    them, in the form minivit.predict reads. convert.from_pretrained puts the head on."""
     config, arrays, pre = read_folder(folder)
     where = repr(os.fspath(folder))
     c, state, K = from_hf_vit(config, arrays, where)
@@ -342,15 +359,28 @@ def load_vit(folder, num_classes=None, verbose=True):
         meta["mean"], meta["std"] = list(pre["image_mean"]), list(pre["image_std"])
     if verbose and K is None:
         print(f"minivit.hf: {where} is a ViTModel (no classifier); its pooler, if any, is not used")
-    c, state = _finish_head(c, state, K, num_classes, where)
-    if c.num_classes != K:
-        meta.pop("classes", None)
-    return c, state, meta
+    return c, state, K, meta
 
 
 # --------------------------------------------------------------------------------------------------
 # Writing a folder
 # --------------------------------------------------------------------------------------------------
+
+
+def _write_atomic(path, data):
+    """data (bytes) into path through a temporary file in the same folder, renamed over it: a reader
+    never sees half a file, and an interrupted write leaves the old one (checkpoint.write_atomic's rule)."""
+    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}-{secrets.token_hex(4)}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
 
 
 def write_folder(folder, config, arrays):
@@ -366,20 +396,17 @@ def write_folder(folder, config, arrays):
         raise ValueError(f"refusing to save {folder!r}: {bad[:4]} hold NaN or infinite values")
     os.makedirs(folder, exist_ok=True)
     data = save({k: numpy.array(v, order="C") for k, v in arrays.items()}, metadata={"format": "pt"})
-    write_atomic(os.path.join(folder, SAFETENSORS), lambda f: f.write(data))
-    text = json.dumps(config, indent=2, sort_keys=True).encode()
-    write_atomic(os.path.join(folder, CONFIG), lambda f: f.write(text))
+    _write_atomic(os.path.join(folder, SAFETENSORS), data)
+    _write_atomic(os.path.join(folder, CONFIG), json.dumps(config, indent=2, sort_keys=True).encode())
     return folder
 
 
 def save_pretrained(model, folder, class_names=None, dtype="float32"):
     """Write a minivit ViT (or CLIP) as a transformers folder: ViTForImageClassification.from_pretrained
     (CLIPModel.from_pretrained) loads it and gives the same outputs. dtype: of the saved weights."""
-    from .clip import CLIP
-
     if dtype not in ("float32", "float64"):
         raise ValueError(f"dtype must be 'float32' or 'float64', got {dtype!r}")
-    if isinstance(model, CLIP):
+    if hasattr(getattr(model, "config", None), "text_width"):      # a minivit.clip.CLIP (clip.py sits above)
         config, arrays = hf_clip_config(model.config), to_hf_clip(model.state_dict(), model.config)
     elif isinstance(model, ViT):
         if class_names is None:
@@ -454,9 +481,8 @@ def _block_to_hf(s, ours, theirs, D):
 
 
 def clip_config_from_hf(config, where):
-    """A transformers CLIPConfig dict -> minivit's CLIPConfig (and the text tower's <end> rule)."""
-    from .clip import CLIPConfig
-
+    """A transformers CLIPConfig dict -> the keyword arguments of minivit's CLIPConfig (the text tower's
+    <end> rule included)."""
     vc, tc = config.get("vision_config"), config.get("text_config")
     if not isinstance(vc, dict) or not isinstance(tc, dict):
         raise ValueError(f"{where}: a CLIPModel's config.json has vision_config and text_config objects")
@@ -474,20 +500,21 @@ def clip_config_from_hf(config, where):
         if float(cfg.get("layer_norm_eps", 1e-5)) != 1e-5:
             raise ValueError(f"{w}: layer_norm_eps={cfg['layer_norm_eps']}, but minivit's CLIP uses 1e-5")
     eos = tc.get("eos_token_id", 2)
-    c = CLIPConfig(embed_dim=_get(config, "projection_dim", where), img_size=_get(vc, "image_size", vw),
+    return dict(embed_dim=_get(config, "projection_dim", where), img_size=_get(vc, "image_size", vw),
                    patch_size=_get(vc, "patch_size", vw), in_chans=vc.get("num_channels", 3), vision_width=VD,
                    vision_layers=_get(vc, "num_hidden_layers", vw), vision_heads=_get(vc, "num_attention_heads", vw),
                    context_length=_get(tc, "max_position_embeddings", tw), vocab_size=_get(tc, "vocab_size", tw),
                    text_width=TD, text_layers=_get(tc, "num_hidden_layers", tw),
                    text_heads=_get(tc, "num_attention_heads", tw), mlp_ratio=ratios.pop(), gelu=gelus.pop(),
                    eot_token=None if eos == 2 else eos)   # transformers: argmax of the ids when eos_token_id == 2
-    return c
 
 
 def from_hf_clip(config, arrays, where="the transformers CLIP"):
-    """A transformers CLIPModel's config dict and weights -> (minivit CLIPConfig, state dict)."""
+    """A transformers CLIPModel's config dict and weights -> (CLIPConfig's keyword arguments, state dict)."""
     _model_type(config, where, ("clip",))
-    c = clip_config_from_hf(config, where)
+    kwargs = clip_config_from_hf(config, where)
+    size = kwargs["img_size"]
+    c = types.SimpleNamespace(**dict(kwargs, img_size=(size, size)))
     arrays = {k: v for k, v in arrays.items() if not k.endswith("position_ids")}   # an old buffer, not a weight
     _check_shapes(where, arrays, hf_clip_shapes(c))
     a = {k: numpy.asarray(v) for k, v in arrays.items()}
@@ -508,7 +535,7 @@ def from_hf_clip(config, arrays, where="the transformers CLIP"):
         state.update(_block_from_hf(a, f"{v}encoder.layers.{i}.", f"visual.blocks.{i}."))
     for i in range(c.text_layers):
         state.update(_block_from_hf(a, f"{t}encoder.layers.{i}.", f"text.blocks.{i}."))
-    return c, {k: numpy.array(x, order="C") for k, x in state.items()}
+    return kwargs, {k: numpy.array(x, order="C") for k, x in state.items()}
 
 
 def to_hf_clip(state_dict, config):
@@ -555,15 +582,12 @@ def hf_clip_config(c):
             "logit_scale_init_value": c.init_logit_scale, "text_config": text, "vision_config": vision}
 
 
-def load_clip(folder, dtype="float32"):
-    """A transformers CLIPModel folder -> a minivit CLIP with its weights."""
-    from .clip import CLIP
-
+def load_clip(folder):
+    """A transformers CLIPModel folder -> (CLIPConfig's keyword arguments, minivit state dict, meta); meta
+    holds the preprocessor's mean and std when the folder has them. clip.CLIP.from_pretrained builds the model."""
     config, arrays, pre = read_folder(folder)
-    where = repr(os.fspath(folder))
-    c, state = from_hf_clip(config, arrays, where)
-    check_finite(state, where, advice="a damaged file, or one saved from a diverged run: use another copy")
-    model = CLIP(c, dtype=dtype).load_state_dict(state)
+    kwargs, state = from_hf_clip(config, arrays, repr(os.fspath(folder)))
+    meta = {}
     if pre and "image_mean" in pre and "image_std" in pre:
-        model.checkpoint_meta = {"mean": list(pre["image_mean"]), "std": list(pre["image_std"])}
-    return model
+        meta = {"mean": list(pre["image_mean"]), "std": list(pre["image_std"])}
+    return kwargs, state, meta
