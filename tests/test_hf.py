@@ -194,3 +194,14 @@ def test_bad_arguments_are_refused_before_any_work(tmp_path):
     with pytest.raises(FileNotFoundError, match="no Hugging Face model folder"):
         CLIP.from_pretrained(tmp_path / "nowhere")
     assert not (tmp_path / "x").exists()
+
+
+def test_predict_prints_the_folders_class_names(tmp_path, capsys):
+    from PIL import Image
+
+    from minivit import predict
+    folder = saved(tmp_path, class_names=["ant", "bee", "cat", "dog", "eel"])
+    Image.fromarray(np.zeros((12, 16, 3), np.uint8)).save(tmp_path / "photo.png")
+    assert predict.main([str(tmp_path / "photo.png"), "--checkpoint", str(folder), "--top", "5"]) == 0
+    out = capsys.readouterr().out
+    assert all(name in out for name in ("ant", "bee", "cat", "dog", "eel"))

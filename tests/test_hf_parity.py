@@ -192,3 +192,21 @@ def test_minivit_clip_saved_loads_in_transformers_with_the_same_features(tmp_pat
     err = rel(logits, out.logits_per_image.numpy())
     print(f"\nminivit CLIP -> save_pretrained -> transformers: logits {err:.1e}")
     assert err < 1e-12
+
+
+def test_in_memory_names_and_pytorch_bin(tmp_path):
+    """transformers 5.x's own parameter names (vit.layers.N.attention.q_proj ...) written as they are, and a
+    pytorch_model.bin (read with torch, which this venv has): the same logits."""
+    ref, folder = reference_vit("d24_h3_img20_p5", tmp_path)
+    from safetensors.torch import save_file
+    state = {k: v.contiguous() for k, v in ref.state_dict().items()}
+    assert any(".q_proj." in k for k in state)
+    x = np.random.default_rng(2).standard_normal((2, 20, 20, 3))
+    want = ref(pixel_values=torch.from_numpy(x).permute(0, 3, 1, 2)).logits.detach().numpy()
+    save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+    model = minivit.from_pretrained(folder, dtype="float64", verbose=False)
+    assert rel(minivit.to_numpy(model.forward(minivit.asarray(x))), want) < 1e-12
+    (folder / "model.safetensors").unlink()
+    torch.save(state, folder / "pytorch_model.bin")
+    model = minivit.from_pretrained(folder, dtype="float64", verbose=False)
+    assert rel(minivit.to_numpy(model.forward(minivit.asarray(x))), want) < 1e-12
