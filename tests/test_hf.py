@@ -205,3 +205,18 @@ def test_predict_prints_the_folders_class_names(tmp_path, capsys):
     assert predict.main([str(tmp_path / "photo.png"), "--checkpoint", str(folder), "--top", "5"]) == 0
     out = capsys.readouterr().out
     assert all(name in out for name in ("ant", "bee", "cat", "dog", "eel"))
+
+
+@pytest.mark.parametrize("change,match", [(dict(projection_dim=9), "do not match config.json: mis-shaped"),
+                                          (dict(vision_config={"hidden_act": "gelu"}), "one GELU"),
+                                          (dict(text_config={"layer_norm_eps": 1e-6}), "layer_norm_eps=1e-06"),
+                                          (dict(text_config={"intermediate_size": 48}), "one mlp_ratio"),
+                                          (dict(model_type="siglip"), "model_type='siglip', SigLIP")])
+def test_clip_config_not_matching_is_refused(tmp_path, change, match):
+    hf.save_pretrained(tiny_clip(), tmp_path / "clip")
+    config = json.loads((tmp_path / "clip" / "config.json").read_text())
+    for key, value in change.items():
+        config[key] = dict(config[key], **value) if isinstance(value, dict) else value
+    (tmp_path / "clip" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=match):
+        CLIP.from_pretrained(tmp_path / "clip")
