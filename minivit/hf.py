@@ -94,10 +94,43 @@ def read_folder(folder):
     return config, arrays, preprocessor
 
 
+SAFETENSORS_DTYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "I64": "<i8", "I32": "<i4", "U8": "u1", "BOOL": "?"}
+
+
+def _read_safetensors_by_hand(path):
+    """The safetensors format, read without the package: an 8-byte little-endian header length, a JSON
+    header {name: {dtype, shape, data_offsets: [start, end]}}, then the raw little-endian bytes. Used for
+    bfloat16 (many newer checkpoints), which NumPy has no type for: widened to float32, exactly (a bfloat16
+    is the top 16 bits of a float32)."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+        data = f.read()
+    arrays = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        start, end = info["data_offsets"]
+        raw, shape = data[start:end], tuple(info["shape"])
+        if info["dtype"] == "BF16":
+            bits = numpy.frombuffer(raw, "<u2").astype(numpy.uint32) << 16        # bfloat16 -> float32 bits
+            arrays[name] = bits.view(numpy.float32).reshape(shape)
+        elif info["dtype"] in SAFETENSORS_DTYPES:
+            arrays[name] = numpy.frombuffer(raw, SAFETENSORS_DTYPES[info["dtype"]]).reshape(shape).copy()
+        else:
+            raise ValueError(f"{path!r}: {name} has dtype {info['dtype']}, expected one of "
+                             f"{sorted(SAFETENSORS_DTYPES) + ['BF16']}")
+    return arrays
+
+
 def _read_safetensors(path):
     from safetensors.numpy import load_file
     try:
         return load_file(path)
+    except TypeError as e:                                # NumPy has no bfloat16
+        if "bfloat16" not in str(e):
+            raise
+        return _read_safetensors_by_hand(path)
     except Exception as e:  # safetensors raises its own SafetensorError; truncated files land here too
         raise ValueError(f"{path!r}: a .safetensors file that cannot be read, truncated or corrupt? "
                          f"({type(e).__name__}: {e})") from None

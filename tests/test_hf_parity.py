@@ -210,3 +210,13 @@ def test_in_memory_names_and_pytorch_bin(tmp_path):
     torch.save(state, folder / "pytorch_model.bin")
     model = minivit.from_pretrained(folder, dtype="float64", verbose=False)
     assert rel(minivit.to_numpy(model.forward(minivit.asarray(x))), want) < 1e-12
+
+
+def test_bfloat16_folder_reads_exactly_as_float32(tmp_path):
+    ref, folder = reference_vit("d24_h3_img20_p5", tmp_path)
+    ref.to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    model = minivit.from_pretrained(tmp_path / "bf16", verbose=False)
+    want = {k: v.detach().float().numpy() for k, v in hf._published_names(dict(ref.named_parameters())).items()}
+    got = hf.to_hf_vit(model.state_dict(), model.config)
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
