@@ -240,3 +240,32 @@ def test_bfloat16_weights_are_read_by_hand(tmp_path):
     for name, value in arrays.items():
         want = (value.astype("<f4").view("<u4") & 0xFFFF0000).view("<f4")
         np.testing.assert_array_equal(got[name], want, err_msg=name)
+
+
+def test_bpe_tokenizer_and_zero_shot_on_a_transformers_clip_folder(tmp_path):
+    """Lesson 13's zero-shot code on a CLIP folder, with the folder's own BPE vocabulary (the ids against
+    transformers' CLIPTokenizer: tests/test_hf_parity.py)."""
+    from minivit import clip as C
+    from minivit.captions import BPETokenizer, _bytes_to_unicode
+    chars = list(_bytes_to_unicode().values())
+    merges = [("c", "a"), ("ca", "t</w>"), ("d", "o"), ("do", "g</w>")]
+    vocab = chars + [c + "</w>" for c in chars] + ["ca", "cat</w>", "do", "dog</w>", "<|startoftext|>", "<|endoftext|>"]
+    config = CLIPConfig(embed_dim=8, img_size=20, patch_size=5, vision_width=24, vision_layers=1, vision_heads=3,
+                        context_length=9, vocab_size=len(vocab), text_width=16, text_layers=1, text_heads=2,
+                        gelu="quick", eot_token=len(vocab) - 1)
+    folder = tmp_path / "clip"
+    hf.save_pretrained(CLIP(config, seed=0), folder)
+    (folder / "vocab.json").write_text(json.dumps({t: i for i, t in enumerate(vocab)}))
+    (folder / "merges.txt").write_text("#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges))
+
+    model = CLIP.from_pretrained(folder)
+    tok = BPETokenizer.from_pretrained(folder, context_length=model.config.context_length)
+    ids = {t: i for i, t in enumerate(vocab)}
+    assert tok("A  cat, dogs")[0].tolist() == [ids["<|startoftext|>"], ids["a</w>"], ids["cat</w>"], ids[",</w>"],
+                                               ids["do"], ids["g"], ids["s</w>"], ids["<|endoftext|>"], 0]
+    assert tok("a a a a a a a a a a")[0, -1] == ids["<|endoftext|>"]          # cut to fit, <end> kept last
+    classifier = C.zero_shot_classifier(model, tok, ["cat", "dog"], ["a {}", "the {}"])
+    images = np.random.default_rng(0).standard_normal((3, 20, 20, 3)).astype("float32")
+    assert set(minivit.to_numpy(C.zero_shot_predict(model, classifier, minivit.asarray(images))).tolist()) <= {0, 1}
+    with pytest.raises(ValueError, match="has no vocab.json, merges.txt"):
+        BPETokenizer.from_pretrained(tmp_path)

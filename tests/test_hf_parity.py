@@ -220,3 +220,32 @@ def test_bfloat16_folder_reads_exactly_as_float32(tmp_path):
     got = hf.to_hf_vit(model.state_dict(), model.config)
     for k in want:
         np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+
+
+def write_bpe_vocab(folder):
+    """A small vocabulary laid out as OpenAI's: the 256 byte characters, the same with </w>, the merged
+    pieces in merge order, then <|startoftext|> and <|endoftext|>."""
+    import json
+
+    from minivit.captions import _bytes_to_unicode
+    chars = list(_bytes_to_unicode().values())
+    merges = [("t", "h"), ("th", "e</w>"), ("c", "a"), ("ca", "t</w>"), ("o", "f</w>"), ("p", "h"), ("ph", "o"),
+              ("t", "o</w>"), ("pho", "to</w>"), ("d", "o"), ("do", "g</w>"), ("a", "n"), ("an", "d</w>")]
+    vocab = chars + [c + "</w>" for c in chars] + ["".join(m) for m in merges] + ["<|startoftext|>", "<|endoftext|>"]
+    folder.mkdir(exist_ok=True)
+    (folder / "vocab.json").write_text(json.dumps({t: i for i, t in enumerate(vocab)}))
+    (folder / "merges.txt").write_text("#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges))
+    return len(vocab)
+
+
+def test_bpe_tokenizer_matches_transformers(tmp_path):
+    from minivit.captions import BPETokenizer
+    write_bpe_vocab(tmp_path)
+    ref = transformers.CLIPTokenizer(vocab=str(tmp_path / "vocab.json"), merges=str(tmp_path / "merges.txt"))
+    tok = BPETokenizer.from_pretrained(tmp_path, context_length=40)
+    texts = ["a photo of the cat", "A PHOTO of a dog and a cat.", "the catalogue: 3 dogs, 12 cats!", "don't  stop",
+             "photophobia x_y (the) #7"]
+    for text in texts:
+        want = ref(text)["input_ids"]
+        got = tok([text])[0]
+        assert list(got[:len(want)]) == want and not got[len(want):].any(), (text, want, got)
