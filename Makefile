@@ -22,15 +22,16 @@ test: $(VENV)/.installed
 	$(PY) -m ruff check .
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-# The reference oracles (PyTorch + timm, open_clip for CLIP) live in their own venv: never a runtime dependency.
+# The reference oracles (PyTorch + timm, open_clip for CLIP, transformers for Hugging Face folders) live in their own venv: never a runtime dependency.
 $(PARITY_VENV)/.installed: requirements.txt pyproject.toml
 	$(PYTHON) -m venv $(PARITY_VENV)
-	$(PARITY_PY) -m pip install -q torch==2.14.1 torchvision==0.29.1 timm open_clip_torch==3.3.0
+	$(PARITY_PY) -m pip install -q torch==2.14.1 torchvision==0.29.1 timm open_clip_torch==3.3.0 transformers==5.23.0
 	$(PARITY_PY) -m pip install -q numpy scipy numba threadpoolctl pillow tqdm matplotlib safetensors pytest mpi4py mpich
 	$(PARITY_PY) -m pip install -q --no-deps -e .
 	touch $@
 
-## make test-parity: compare logits and every gradient with timm (and CLIP with open_clip) under PyTorch autograd
+## make test-parity: compare logits and every gradient with timm and transformers (and CLIP with open_clip and
+## transformers) under PyTorch autograd
 test-parity: $(PARITY_VENV)/.installed
 	$(PARITY_PY) -m pytest -m parity $(PYTEST_ARGS)
 

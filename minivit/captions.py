@@ -110,6 +110,125 @@ class Tokenizer:
         return f"Tokenizer(vocab_size={self.vocab_size}, context_length={self.context_length})"
 
 
+def _bytes_to_unicode():
+    """OpenAI's table: each of the 256 bytes -> a printable character (printable bytes map to themselves),
+    so that a BPE vocabulary of strings covers every byte sequence."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+# OpenAI's pattern with \p{L} (letters) and \p{N} (numbers) in Python's re: [^\W\d_] and \d. They differ only for
+# rare numerals (a "½" is \p{N} but not \d), which this splits as a sign instead of a number.
+_BPE_SPLIT = re.compile(r"<\|startoftext\|>|<\|endoftext\|>|'s|'t|'re|'ve|'m|'ll|'d|[^\W\d_]+|\d|(?:_|[^\s\w])+",
+                        re.IGNORECASE)
+
+
+class BPETokenizer:
+    """CLIP's byte-pair tokenizer (OpenAI's simple_tokenizer), read from a Hugging Face CLIP folder's
+    vocab.json and merges.txt, so a transformers CLIPModel can be used for zero-shot with its own ids:
+
+        tok = BPETokenizer.from_pretrained("clip-vit-base-patch32", context_length=model.config.context_length)
+        tokens = tok(["a photo of a cat"])              # int64 (1, L): [<|startoftext|>, ..., <|endoftext|>, 0...]
+
+    A word is lower-cased, its UTF-8 bytes written as characters, and then the adjacent pair with the lowest
+    merge rank is joined, again and again, until no pair is in merges.txt; the last piece carries "</w>".
+    Padding is 0, as open_clip's; the text tower reads <|endoftext|> either as the highest id or as the
+    first eos (both are the same position here). ftfy's mojibake repair is not done."""
+
+    def __init__(self, encoder, merges, context_length=77):
+        if not isinstance(context_length, int) or isinstance(context_length, bool) or context_length < 3:
+            raise ValueError(f"context_length must be an int >= 3, got {context_length!r}")
+        self.encoder, self.context_length = encoder, context_length
+        self.ranks = {pair: i for i, pair in enumerate(merges)}
+        self.byte_encoder = _bytes_to_unicode()
+        for special in ("<|startoftext|>", "<|endoftext|>"):
+            if special not in encoder:
+                raise ValueError(f"the vocabulary has no {special} token: not CLIP's")
+        self.start_id, self.end_id = encoder["<|startoftext|>"], encoder["<|endoftext|>"]
+        self.cache = {}
+
+    @classmethod
+    def from_pretrained(cls, folder, context_length=77):
+        """vocab.json ({token: id}) and merges.txt (a "#version" line, then one "a b" pair per line)."""
+        import json
+        import os
+
+        paths = [os.path.join(os.fspath(folder), n) for n in ("vocab.json", "merges.txt")]
+        missing = [p for p in paths if not os.path.exists(p)]
+        if missing:
+            raise ValueError(f"{os.fspath(folder)!r} has no {', '.join(os.path.basename(p) for p in missing)}: "
+                             f"CLIP's BPE tokenizer needs both (a Hugging Face CLIP folder has them)")
+        with open(paths[0], encoding="utf-8") as f:
+            encoder = json.load(f)
+        with open(paths[1], encoding="utf-8") as f:
+            lines = [line.rstrip("\n") for line in f if line.strip() and not line.startswith("#version")]
+        merges = [tuple(line.split(" ")) for line in lines]
+        bad = [line for line in lines if len(line.split(" ")) != 2][:3]
+        if bad:
+            raise ValueError(f"{paths[1]!r}: each line must be a pair 'a b', got {bad}")
+        return cls(encoder, merges, context_length)
+
+    def bpe(self, word):
+        """One word (already in byte characters) -> its pieces, merged by rank."""
+        if word in self.cache:
+            return self.cache[word]
+        parts = list(word[:-1]) + [word[-1] + "</w>"]
+        while len(parts) > 1:
+            pairs = [(self.ranks.get(pair, len(self.ranks)), i) for i, pair in enumerate(zip(parts, parts[1:]))]
+            rank, _ = min(pairs)
+            if rank == len(self.ranks):
+                break                                         # no pair left to merge
+            first, second = None, None
+            for r, i in pairs:
+                if r == rank:
+                    first, second = parts[i], parts[i + 1]
+                    break
+            merged, i = [], 0                                 # join every occurrence of the pair, left to right
+            while i < len(parts):
+                if i < len(parts) - 1 and parts[i] == first and parts[i + 1] == second:
+                    merged.append(first + second)
+                    i += 2
+                else:
+                    merged.append(parts[i])
+                    i += 1
+            parts = merged
+        self.cache[word] = parts
+        return parts
+
+    def ids(self, text):
+        """One str -> its ids, without <|startoftext|> and <|endoftext|>."""
+        if not isinstance(text, str):
+            raise TypeError(f"a caption must be a str, got {type(text).__name__}: {text!r}")
+        text = " ".join(text.split()).lower()                 # whitespace_clean, then lower-case
+        out = []
+        for word in _BPE_SPLIT.findall(text):
+            if word in ("<|startoftext|>", "<|endoftext|>"):
+                out.append(self.encoder[word])
+                continue
+            chars = "".join(self.byte_encoder[b] for b in word.encode("utf-8"))
+            out.extend(self.encoder[piece] for piece in self.bpe(chars))
+        return out
+
+    def encode(self, texts):
+        """texts: a str or a list of B str -> int64 (B, L): [<|startoftext|>, ids, <|endoftext|>, 0, ...]; a
+        caption longer than L - 2 tokens is cut to fit, <|endoftext|> kept last (as open_clip and OpenAI do)."""
+        texts = [texts] if isinstance(texts, str) else list(texts)
+        L = self.context_length
+        out = numpy.zeros((len(texts), L), dtype=numpy.int64)
+        for b, text in enumerate(texts):
+            row = [self.start_id] + self.ids(text)[:L - 2] + [self.end_id]
+            out[b, :len(row)] = row
+        return out
+
+    __call__ = encode
+
+
 # ---------------------------------------------------------------------------------------------------
 # Captioned data sets
 # ---------------------------------------------------------------------------------------------------

@@ -163,8 +163,9 @@ class TextTransformer(Layer):
     <end>, the last real token, is the one that has read the whole caption."""
 
     def __init__(self, vocab_size, context_length, width, depth, num_heads, embed_dim, mlp_ratio=4.0, gelu="erf",
-                 eps=1e-5, rng=None, dtype="float32", seed=0):
+                 eps=1e-5, rng=None, dtype="float32", seed=0, eot_token=None):
         super().__init__()
+        self.eot_token = eot_token                            # None: <end> is the highest id; else its id
         rng = host_rng(seed) if rng is None else rng
         self.vocab_size, self.context_length = vocab_size, context_length
         self.token_embedding = Embedding(vocab_size, width, rng=rng, dtype=dtype)
@@ -185,7 +186,10 @@ class TextTransformer(Layer):
         for block in self.blocks:
             x = block.forward(x, mask)                        # (B, L, W)
         x = self.norm.forward(x)                              # (B, L, W)
-        eot = tokens.argmax(-1)                               # (B,) where <end> is: it has the highest id
+        if self.eot_token is None:
+            eot = tokens.argmax(-1)                           # (B,) where <end> is: it has the highest id
+        else:                                                 # (B,) its first position (0 if absent, as transformers)
+            eot = (tokens == self.eot_token).astype("int32").argmax(-1)
         pooled = x[xp.arange(B), eot]                         # (B, W)
         self.cache = (eot, x.shape) if self.training else None
         return self.proj.forward(pooled)                      # (B, E)
@@ -232,6 +236,8 @@ class CLIPConfig(ConfigDict):
     mlp_ratio: float = 4.0          # MLP hidden = mlp_ratio * width, in both towers
     gelu: str = "erf"               # "erf" (open_clip's default), or "quick": x sigmoid(1.702 x), OpenAI's models
     init_logit_scale: float = math.log(1 / 0.07)   # the temperature 0.07 to start
+    eot_token: int | None = None    # where the text is read: None, at the highest id (<end> has it, OpenAI's and
+                                    # minivit's tokenizers); an id: its first position (newer transformers configs)
 
     def __post_init__(self):
         img = self.img_size
@@ -259,6 +265,9 @@ class CLIPConfig(ConfigDict):
         if not isinstance(self.init_logit_scale, (int, float)) or not 0 <= self.init_logit_scale <= Similarity.MAX:
             raise ValueError(f"init_logit_scale must be a number in [0, log 100 = {Similarity.MAX:.4f}], "
                              f"got {self.init_logit_scale!r}")
+        if self.eot_token is not None and (not isinstance(self.eot_token, int) or isinstance(self.eot_token, bool)
+                                           or not 0 <= self.eot_token < self.vocab_size):
+            raise ValueError(f"eot_token must be None or an id in [0, {self.vocab_size}), got {self.eot_token!r}")
         self.vision_config()                       # the ViT's own checks (image size against patch size...)
 
     def vision_config(self):
@@ -292,7 +301,7 @@ class CLIP(Layer):
         self.visual = ViT(c.vision_config(), seed=seed, dtype=dtype)
         self.text = TextTransformer(c.vocab_size, c.context_length, c.text_width, c.text_layers,
                                     c.text_heads, c.embed_dim, c.mlp_ratio, c.gelu, eps=1e-5,
-                                    rng=host_rng([seed, 1]), dtype=dtype, seed=seed + 1)
+                                    rng=host_rng([seed, 1]), dtype=dtype, seed=seed + 1, eot_token=c.eot_token)
         self.image_l2 = L2Normalize()
         self.text_l2 = L2Normalize()
         self.similarity = self.add("", Similarity(c.init_logit_scale, dtype=dtype))   # "logit_scale" at the top
@@ -381,6 +390,17 @@ class CLIP(Layer):
         state = {k: _as_numpy(v) for k, v in state.items()}
         config = open_clip_config(state, vision_heads, text_heads, quick_gelu)
         return cls(config, dtype=dtype).load_state_dict(from_open_clip(state))
+
+    @classmethod
+    def from_pretrained(cls, folder, dtype="float32"):
+        """A CLIP with the weights of a Hugging Face transformers CLIPModel folder (save_pretrained's:
+        config.json and model.safetensors, sharded or not); see minivit.hf. Saving: minivit.hf.save_pretrained."""
+        from .hf import load_clip
+        kwargs, state, meta = load_clip(folder)
+        model = cls(CLIPConfig(**kwargs), dtype=dtype).load_state_dict(state)
+        if meta:
+            model.checkpoint_meta = meta          # the preprocessor's mean and std
+        return model
 
     def extra_repr(self):
         c = self.config

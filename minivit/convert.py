@@ -33,6 +33,7 @@ import numpy
 
 from .backend import to_numpy
 from .checkpoint import check_finite, load_checkpoint
+from .hf import load_vit
 from .layers import resize_pos_embed
 from .model import ViT, ViTConfig, param_shapes
 
@@ -477,8 +478,8 @@ def read_checkpoint_file(path):
     if not os.path.exists(path):
         raise FileNotFoundError(f"no checkpoint file at {path!r}")
     if os.path.isdir(path):
-        raise ValueError(f"{path!r} is a directory: pass the checkpoint file inside it "
-                         f"(e.g. model.safetensors, pytorch_model.bin or the .npz)")
+        raise ValueError(f"{path!r} is a directory: pass the checkpoint file inside it (e.g. model.safetensors, "
+                         f"pytorch_model.bin or the .npz), or give a Hugging Face folder to minivit.from_pretrained")
     size = os.path.getsize(path)
     with open(path, "rb") as f:
         head = f.read(16)
@@ -611,7 +612,9 @@ def _from_minivit_checkpoint(path, params, num_heads, img_size, gelu, num_classe
 def from_pretrained(path, num_classes=None, img_size=None, num_heads=None, gelu=None, seed=0, dtype="float32",
                     checkpoint_img_size=None, verbose=True, new_head=False):
     """A ViT with the weights of a published checkpoint, in one call: the original JAX release's
-    .npz, timm's .safetensors / .pth / .bin, or a minivit.checkpoint .npz (told by the content).
+    .npz, timm's .safetensors / .pth / .bin, a minivit.checkpoint .npz (told by the content), or a
+    Hugging Face transformers ViT folder (config.json + weights, minivit/hf.py; its id2label and the
+    preprocessor's mean and std land in model.checkpoint_meta, which minivit.predict reads).
 
     num_classes: None keeps the checkpoint's head; another number puts a zero-initialised D -> K
         head in its place and drops any representation layer, as the paper fine-tunes (§3.1).
@@ -624,13 +627,25 @@ def from_pretrained(path, num_classes=None, img_size=None, num_heads=None, gelu=
     new_head: True zero-initialises the head even when num_classes is the checkpoint's own.
     Example: minivit.from_pretrained("ViT-B_16.npz", num_classes=10, img_size=384) for CIFAR-10.
     """
-    config, state = load_checkpoint_file(path, num_heads=num_heads, img_size=checkpoint_img_size,
-                                         gelu=gelu, num_classes=num_classes, verbose=verbose)
+    meta = None
+    if os.path.isdir(path):                      # a Hugging Face transformers folder (minivit/hf.py)
+        if num_heads is not None or gelu is not None or checkpoint_img_size is not None:
+            raise ValueError(f"{os.fspath(path)!r} is a transformers folder: its config.json gives the heads, the "
+                             f"GELU and the resolution, so num_heads, gelu and checkpoint_img_size must be None")
+        config, state, K, meta = load_vit(path, verbose=verbose)
+        config, state = _finish_head(config, state, K, num_classes, repr(os.fspath(path)))
+        if config.num_classes != K:
+            meta.pop("classes", None)            # a new head: the folder's class names are not its classes
+    else:
+        config, state = load_checkpoint_file(path, num_heads=num_heads, img_size=checkpoint_img_size,
+                                             gelu=gelu, num_classes=num_classes, verbose=verbose)
     check_finite(state, repr(os.fspath(path)), advice="a damaged file, or one saved from a diverged run: use "
                                                        "another copy of the weights")
     if img_size is not None:
         config, state = resize_state_dict(config, state, img_size)
     model = ViT(config, seed=seed, dtype=dtype).load_state_dict(state)
+    if meta:
+        model.checkpoint_meta = meta             # class names and normalisation, as minivit.predict reads them
     if new_head:
         for p in model.head.params.values():
             p[...] = 0                           # the paper's zero-initialised fine-tuning head

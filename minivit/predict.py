@@ -2,17 +2,20 @@
 
     python -m minivit.predict photo.jpg other.png --checkpoint runs/cifar10/checkpoint.npz
     python -m minivit.predict photo.jpg --checkpoint runs/cifar10          # a run folder works too
+    python -m minivit.predict photo.jpg --checkpoint vit-base-patch16-224  # a Hugging Face folder: its class names
 
 A file that cannot be read is named on stderr and the others are still classified; the exit code is
 then 2 (0 when every file was classified).
 """
 
 import argparse
+import os
 import sys
 
 from . import augment as A
 from .backend import asarray, to_numpy
 from .checkpoint import load_model
+from .convert import from_pretrained
 from .data import read_image
 from .functional import softmax_forward
 
@@ -52,11 +55,15 @@ def _positive_int(text):
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m minivit.predict", description="Top-5 classes of image files.")
     p.add_argument("images", nargs="+", help="image files: PNG, JPEG, BMP, GIF, TIFF, WebP or PPM (minivit.data.IMAGE_FORMATS)")
-    p.add_argument("--checkpoint", required=True, help="a checkpoint.npz written by minivit.train, or its run folder")
+    p.add_argument("--checkpoint", required=True, help="a checkpoint.npz written by minivit.train, or its run folder, "
+                   "or a Hugging Face transformers ViT folder (config.json + model.safetensors)")
     p.add_argument("--top", type=_positive_int, default=5, help="how many classes to list per image")
     args = p.parse_args(argv)
     try:
-        model = load_model(args.checkpoint)
+        if os.path.isfile(os.path.join(args.checkpoint, "config.json")):   # a Hugging Face transformers folder
+            model = from_pretrained(args.checkpoint, verbose=False)         # its id2label and preprocessor's mean/std
+        else:
+            model = load_model(args.checkpoint)
     except (OSError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -188,7 +188,8 @@ class TrainConfig:
     log_stats: int = option(None, "every K steps, per-layer activation mean/std, gradient norm and update-to-"
                                   "parameter ratio into metrics.jsonl (records of kind 'stats': minivit.stats)")
     # fine-tuning
-    init: str = option(None, "start from pretrained weights (.npz or .safetensors: minivit.from_pretrained)")
+    init: str = option(None, "start from pretrained weights (.npz, .safetensors or a Hugging Face folder: "
+                                   "minivit.from_pretrained)")
     new_head: bool = option(True, "with --init: keep the checkpoint's head instead of a new zero-initialised one",
                             flag="--keep-head")
     init_gelu: str = option(None, "with --init: the GELU the checkpoint was trained with (default: its kind's own)",

@@ -33,6 +33,7 @@ LEVELS = [
     ("conv", "layer_examples"),     # convolution pairs and layers...; layers a student might write, worked
     ("gradcheck",),                 # checks any layer's backward against central differences
     ("model",),                     # ViTConfig, param_shapes, flops, Classifier, ViT, trace, presets
+    ("hf",),                        # Hugging Face transformers folders (ViT, CLIP): below convert and clip, which call it
     ("resnet", "clip"),             # models built on the ViT's parts: the CNN baseline, CLIP (branch clip)
     ("optim", "augment", "data", "download", "stats"),  # what training uses beside the model
     ("captions",),                  # captioned images for CLIP, built on data (branch clip)
