@@ -32,7 +32,7 @@ import zipfile
 import numpy
 
 from .backend import to_numpy
-from .checkpoint import check_finite, load_checkpoint
+from .checkpoint import check_finite, load_checkpoint, read_npz
 from .layers import resize_pos_embed
 from .model import ViT, ViTConfig, param_shapes
 
@@ -523,9 +523,8 @@ def _read_zip(path, size):
         raise ValueError(f"{path!r} is a zip archive but neither an .npz nor a PyTorch checkpoint "
                          f"(members: {names[:5]})")
     try:
-        with numpy.load(path, allow_pickle=False) as npz:
-            arrays = {k: npz[k] for k in npz.files}
-    except (ValueError, OSError, EOFError, zipfile.BadZipFile) as e:
+        arrays = read_npz(path)               # each header checked before its array is allocated
+    except (OSError, EOFError, zipfile.BadZipFile) as e:
         raise ValueError(f"{path!r}: an .npz whose arrays cannot be read, truncated or corrupt? ({e})") from None
     if "meta" in arrays and any(k.startswith("param/") for k in arrays):   # minivit.checkpoint's own files
         return "minivit", {k[len("param/"):]: v for k, v in arrays.items() if k.startswith("param/")}

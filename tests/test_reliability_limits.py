@@ -1,0 +1,74 @@
+"""Reliability, third round (issue 29), the rest: nothing allocated blind (7), the downloader's limits (8),
+raw tracebacks made one clear line (10), and the smaller faults the issue lists. Each test failed before
+its fix."""
+
+import zipfile
+
+import numpy as np
+import pytest
+
+from test_reliability_more import save_png
+
+
+def tiny_run(out, steps=2):
+    from minivit.train import TrainConfig, train
+
+    train(TrainConfig(dataset="shapes", train_subset=64, embed_dim=16, depth=1, num_heads=2, batch_size=32,
+                      max_steps=steps, progress=False, verbose=False, out=str(out)))
+    return out / "checkpoint.npz"
+
+
+def rewrite_member(path, name, edit):
+    """Rewrite one member of an .npz (a zip of .npy files) with edit(bytes) -> bytes, the rest unchanged."""
+    with zipfile.ZipFile(path) as z:
+        members = {n: z.read(n) for n in z.namelist()}
+    members[name] = edit(members[name])
+    with zipfile.ZipFile(path, "w") as z:
+        for n, raw in members.items():
+            z.writestr(n, raw)
+
+
+def lying_header(raw):
+    """An .npy whose header claims 1e11 float32 values (400 GB) over the 10 it holds; same header length."""
+    end = raw.index(b"\n") + 1
+    header = raw[:end].replace(b"(10,)", b"(100000000000,)")
+    header = header[:-1].rstrip(b" ")
+    header += b" " * (end - len(header) - 1) + b"\n"
+    return header + raw[end:]
+
+
+# ---- 7. memory allocated blind --------------------------------------------------------------------------
+
+
+def test_a_lying_npy_header_is_refused_before_it_is_allocated(tmp_path, capsys):
+    import minivit
+    from minivit import predict
+    from minivit.train import main
+
+    ckpt = tiny_run(tmp_path / "run")
+    rewrite_member(ckpt, "param/head.bias.npy", lying_header)
+    match = r"checkpoint.npz'?: the header of 'param/head.bias' declares \(100000000000,\) float32 \(400.0 GB\)"
+    with pytest.raises(ValueError, match=match):
+        minivit.from_pretrained(ckpt)                       # was a raw MemoryError (373 GiB)
+    save_png(tmp_path / "x.png", np.zeros((32, 32, 3), np.uint8))
+    capsys.readouterr()
+    assert predict.main([str(tmp_path / "x.png"), "--checkpoint", str(ckpt)]) == 2
+    assert main(["--out", str(tmp_path / "run"), "--resume", "--max-steps", "4", "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and all("declares (100000000000,) float32" in line for line in err)
+
+
+def test_an_object_array_npz_is_refused_naming_the_file_and_the_array(tmp_path, capsys):
+    import minivit
+    from minivit.train import main
+
+    ckpt = tiny_run(tmp_path / "run")
+    arrays = dict(np.load(ckpt))
+    arrays["param/head.bias"] = np.array([None] * 10, dtype=object)
+    np.savez(ckpt, **arrays)
+    with pytest.raises(ValueError, match=r"checkpoint.npz'?: the array 'param/head.bias' holds Python objects"):
+        minivit.from_pretrained(ckpt)
+    capsys.readouterr()
+    assert main(["--out", str(tmp_path / "run"), "--resume", "--max-steps", "4", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "checkpoint.npz" in err and "'param/head.bias' holds Python objects" in err    # was: no file named
