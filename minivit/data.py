@@ -17,14 +17,18 @@ import functools
 import gzip
 import hashlib
 import io
+import math
 import os
 import pickle
 import re
 import stat
 import tarfile
+import zlib
 from dataclasses import dataclass
 
 import numpy
+
+from .memory import check_fits
 
 try:  # what pickles use to rebuild an ndarray
     from numpy._core.multiarray import _reconstruct  # NumPy >= 2
@@ -241,14 +245,25 @@ def _find_idx_file(folder, name):
 
 
 def _read_idx_bytes(path, name, verify):
-    """The decompressed content of an IDX file (gzip or not), MD5-checked against the official value."""
+    """The decompressed content of an IDX file (gzip or not), MD5-checked against the official value.
+    The header is read first and no more than the size it states is ever decompressed or read, so a gzip
+    bomb (or a header claiming billions of images) is refused naming the size before it is allocated."""
+    header_len = 16 if "images" in name else 8          # magic, count (and rows, cols for images)
     try:
         with open(path, "rb") as f:
-            raw = f.read()
-        if raw[:2] == b"\x1f\x8b":  # the gzip magic number: decompress whatever the file is called
-            raw = gzip.decompress(raw)
-    except (OSError, EOFError) as err:
+            gzipped = f.read(2) == b"\x1f\x8b"   # the gzip magic number: decompress whatever the file is called
+        with (gzip.open(path, "rb") if gzipped else open(path, "rb")) as f:
+            head = f.read(header_len)
+            dims = [int.from_bytes(head[i:i + 4], "big") for i in range(4, len(head) - 3, 4)]
+            size = header_len + math.prod(dims) if len(head) == header_len else len(head)
+            check_fits(size, f"{path}: its header says {' x '.join(map(str, dims))} bytes of data, which",
+                       "a damaged or edited file: delete it and download Fashion-MNIST again")
+            raw = head + f.read(size - len(head) + 1)    # one byte more than the header says: a longer file is
+    except (OSError, EOFError, zlib.error) as err:      # refused by the parser, and never read to its end
         raise ValueError(f"{path}: could not read or decompress it ({err})") from None
+    if len(raw) > size:
+        raise ValueError(f"{path}: holds more than the {size:,} bytes its header states (a damaged file or a "
+                         f"decompression bomb): reading stopped there; delete it and download Fashion-MNIST again")
     if verify:
         _check_md5(raw, name, path, FASHION_MNIST_MD5)
     return raw

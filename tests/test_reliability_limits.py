@@ -72,3 +72,50 @@ def test_an_object_array_npz_is_refused_naming_the_file_and_the_array(tmp_path, 
     assert main(["--out", str(tmp_path / "run"), "--resume", "--max-steps", "4", "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert "checkpoint.npz" in err and "'param/head.bias' holds Python objects" in err    # was: no file named
+
+
+def fashion_bomb(folder, extra_zeros=256 << 20):
+    """Fashion-MNIST's four files, the training images a gzip bomb: an honest header for 60000 images, then
+    47 MB + extra_zeros of zeros (a few hundred kB compressed)."""
+    import gzip
+
+    folder.mkdir(parents=True)
+    sizes = {"train-images-idx3-ubyte": (0x803, 60000), "t10k-images-idx3-ubyte": (0x803, 10000),
+             "train-labels-idx1-ubyte": (0x801, 60000), "t10k-labels-idx1-ubyte": (0x801, 10000)}
+    for name, (magic, n) in sizes.items():
+        dims = [n, 28, 28] if magic == 0x803 else [n]
+        with gzip.open(folder / (name + ".gz"), "wb", compresslevel=1) as f:
+            f.write(b"".join(v.to_bytes(4, "big") for v in [magic, *dims]))
+            left = int(np.prod(dims)) + (extra_zeros if name.startswith("train-images") else 0)
+            while left:
+                f.write(bytes(min(left, 16 << 20)))
+                left -= min(left, 16 << 20)
+    return folder
+
+
+def test_a_fashion_mnist_gzip_bomb_is_not_decompressed_whole(tmp_path):
+    import tracemalloc
+
+    from minivit.data import load_fashion_mnist
+
+    folder = fashion_bomb(tmp_path / "fm")
+    tracemalloc.start()
+    try:
+        with pytest.raises(ValueError, match=r"train-images-idx3-ubyte.gz: holds more than the 47,040,016 bytes its "
+                                             r"header states \(a damaged file or a decompression bomb\)"):
+            load_fashion_mnist(folder, verify=True)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 150e6, peak                        # was the whole 300 MB (8.5 GB for the issue's bomb)
+
+
+def test_an_idx_header_larger_than_memory_is_refused_with_the_figure(tmp_path, monkeypatch):
+    import minivit.memory
+    from minivit.data import load_fashion_mnist
+
+    folder = fashion_bomb(tmp_path / "fm", extra_zeros=0)
+    monkeypatch.setattr(minivit.memory, "available_memory", lambda: 10_000_000)      # a 10 MB machine
+    with pytest.raises(ValueError, match=r"train-images-idx3-ubyte.gz: its header says 60000 x 28 x 28 bytes of "
+                                         r"data, which needs 47.0 MB, and this machine has 10.0 MB"):
+        load_fashion_mnist(folder, verify=False)
