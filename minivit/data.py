@@ -113,6 +113,16 @@ def _check_md5(raw, name, where, official):
         )
 
 
+CIFAR10_MAX_BYTES = 32_000_000  # a batch file is 31,035,704 bytes (10000 pickled 3072-byte images)
+
+
+def _check_cifar_size(size, where):
+    """Refuse a CIFAR-10 file larger than any official one before it is read into memory."""
+    if size > CIFAR10_MAX_BYTES:
+        raise ValueError(f"{where}: {size:,} bytes, and no CIFAR-10 file is larger than {CIFAR10_MAX_BYTES:,}: "
+                         f"a damaged or foreign file, not read; delete it and run data_scripts/download_cifar10.py")
+
+
 def _read_cifar_files(root, names):
     """The raw bytes of the CIFAR-10 files names, from root/cifar-10-batches-py/ or from the archive.
 
@@ -126,6 +136,7 @@ def _read_cifar_files(root, names):
             path = os.path.join(folder, name)
             if not os.path.isfile(path):
                 raise FileNotFoundError(f"CIFAR-10 file missing: {path}")
+            _check_cifar_size(os.path.getsize(path), path)
             with open(path, "rb") as f:
                 found[name] = (f.read(), path)
         return found
@@ -136,6 +147,7 @@ def _read_cifar_files(root, names):
             with tarfile.open(archive, "r:gz") as tar:
                 for member in tar:
                     if member.name in wanted and member.isfile():
+                        _check_cifar_size(member.size, f"{archive}:{member.name}")
                         found[wanted[member.name]] = (tar.extractfile(member).read(), f"{archive}:{member.name}")
         except (tarfile.TarError, OSError, EOFError) as err:
             raise ValueError(f"{archive}: not a readable tar.gz archive ({err})") from None

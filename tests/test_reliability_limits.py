@@ -2,6 +2,7 @@
 raw tracebacks made one clear line (10), and the smaller faults the issue lists. Each test failed before
 its fix."""
 
+import os
 import zipfile
 
 import numpy as np
@@ -119,3 +120,15 @@ def test_an_idx_header_larger_than_memory_is_refused_with_the_figure(tmp_path, m
     with pytest.raises(ValueError, match=r"train-images-idx3-ubyte.gz: its header says 60000 x 28 x 28 bytes of "
                                          r"data, which needs 47.0 MB, and this machine has 10.0 MB"):
         load_fashion_mnist(folder, verify=False)
+
+
+def test_a_cifar_file_larger_than_any_official_one_is_not_read(tmp_path):
+    from minivit.data import load_cifar10
+
+    folder = tmp_path / "cifar-10-batches-py"
+    folder.mkdir()
+    for name in ["batches.meta", *(f"data_batch_{i}" for i in range(1, 6)), "test_batch"]:
+        (folder / name).write_bytes(b"x")
+    os.truncate(folder / "data_batch_1", 8 << 30)                     # 8 GiB, sparse: takes no disk
+    with pytest.raises(ValueError, match=r"data_batch_1: 8,589,934,592 bytes, and no CIFAR-10 file is larger"):
+        load_cifar10(tmp_path)                                         # was read whole into memory
