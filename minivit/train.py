@@ -966,7 +966,7 @@ class Run:
     schedule: WarmupCosine      # the learning rate of each step
     steps_per_epoch: int
     total_steps: int
-    eval_steps: set             # evaluate, record and save after these steps (and at a Ctrl-C or SIGTERM)
+    eval_steps: object          # an EvalSteps: evaluate, record and save after these steps (and at a Ctrl-C or SIGTERM)
     given_model: bool = False   # a model passed to train(), not built from cfg
     world: object = None        # several ranks (mpiexec): their communicator (minivit/distributed.py), else None
     dp: object = None           # and the DataParallel that exchanges each step's gradients
@@ -1158,15 +1158,32 @@ def load_run_data(cfg, data=None):
     return cfg, data
 
 
+@dataclasses.dataclass(frozen=True)
+class EvalSteps:
+    """The steps after which the run evaluates and saves: after every `every` steps, or num_evals times spread
+    evenly, and always after the last. A rule answering `step in eval_steps`, not a set of steps, so that
+    --max-steps 1e12 --eval-every 1 costs no memory (a set of them was built: a raw MemoryError)."""
+    total: int               # the run's last step
+    every: int = 0           # evaluate after each multiple of this ...
+    num_evals: int = 0       # ... or after steps max(1, total * k // num_evals), k = 1 .. num_evals
+
+    def __contains__(self, step):
+        if step == self.total:
+            return True
+        if not 1 <= step < self.total:
+            return False
+        if not self.num_evals:
+            return step % self.every == 0
+        n, total = self.num_evals, self.total
+        k = -(-step * n // total)          # the first k with total * k // n >= step (the k's give increasing steps)
+        return (k <= n and total * k // n == step) or (step == 1 and total < n)   # max(1, ...): step 0 -> 1
+
+
 def evaluation_steps(cfg, total_steps, steps_per_epoch):
     """The steps after which the run evaluates and saves: cfg's cadence, and always the last."""
     if cfg.num_evals:      # e.g. 4 evaluations of 150 steps: after steps 37, 75, 112 and 150
-        steps = {max(1, total_steps * (i + 1) // cfg.num_evals) for i in range(cfg.num_evals)}
-    elif cfg.eval_every:
-        steps = set(range(cfg.eval_every, total_steps + 1, cfg.eval_every))
-    else:
-        steps = set(range(steps_per_epoch, total_steps + 1, steps_per_epoch))
-    return steps | {total_steps}
+        return EvalSteps(total_steps, num_evals=cfg.num_evals)
+    return EvalSteps(total_steps, every=cfg.eval_every or steps_per_epoch)
 
 
 def run_loop(run, callback=None):

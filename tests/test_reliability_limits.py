@@ -132,3 +132,15 @@ def test_a_cifar_file_larger_than_any_official_one_is_not_read(tmp_path):
     os.truncate(folder / "data_batch_1", 8 << 30)                     # 8 GiB, sparse: takes no disk
     with pytest.raises(ValueError, match=r"data_batch_1: 8,589,934,592 bytes, and no CIFAR-10 file is larger"):
         load_cifar10(tmp_path)                                         # was read whole into memory
+
+
+def test_the_evaluation_steps_of_a_long_run_are_a_rule_not_a_set():
+    import sys
+
+    from minivit.train import TrainConfig, evaluation_steps
+
+    steps = evaluation_steps(TrainConfig(max_steps=10**12, eval_every=1), 10**12, 10)
+    assert sys.getsizeof(steps) < 1000                  # was a set of every step: 1e12 of them, a raw MemoryError
+    assert 1 in steps and 10**12 in steps and 0 not in steps and 10**12 + 1 not in steps
+    spread = evaluation_steps(TrainConfig(max_steps=150, num_evals=4), 150, 10)
+    assert [s for s in range(200) if s in spread] == [37, 75, 112, 150]
