@@ -53,6 +53,7 @@ from .checkpoint import (check_finite, load_checkpoint, remove_stale_temporaries
 from .data import DATASETS, Dataset, load_dataset, resize_images
 from .functional import GELU_KINDS, cross_entropy, cross_entropy_backward, cross_entropy_forward
 from .layers import POS_EMBED_KINDS
+from .memory import check_fits, gib
 from .model import DTYPES, ViT, ViTConfig, create_model, presets
 from .optim import SGD, AdamW, WarmupCosine, clip_grad_norm, default_no_decay
 from .plot import read_metrics
@@ -1139,9 +1140,6 @@ def load_run_data(cfg, data=None):
     if cfg.out is not None and "{dataset}" in cfg.out:
         cfg = dataclasses.replace(cfg, out=cfg.out.replace("{dataset}", cfg.dataset))
         check_out(cfg)
-    if cfg.img_size is not None and data.image_shape[:2] != _pair(cfg.img_size):
-        data = dataclasses.replace(data, x_train=resize_images(data.x_train, _pair(cfg.img_size)),
-                                   x_test=resize_images(data.x_test, _pair(cfg.img_size)))
     if cfg.train_subset:
         if cfg.train_subset > data.x_train.shape[0]:
             raise ValueError(f"train_subset {cfg.train_subset} is more than the {data.x_train.shape[0]} training "
@@ -1149,6 +1147,10 @@ def load_run_data(cfg, data=None):
         n = cfg.train_subset
         data = dataclasses.replace(data, x_train=data.x_train[:n], y_train=data.y_train[:n],
                                    **({"text_train": data.text_train[:n]} if hasattr(data, "text_train") else {}))
+    if cfg.img_size is not None and data.image_shape[:2] != _pair(cfg.img_size):
+        check_run_memory(cfg, data)
+        data = dataclasses.replace(data, x_train=resize_images(data.x_train, _pair(cfg.img_size)),
+                                   x_test=resize_images(data.x_test, _pair(cfg.img_size)))
     if cfg.task != "clip" and data.num_classes < 2:
         where = f" in {os.path.join(cfg.data_dir, 'train')}" if cfg.dataset == "folder" and cfg.data_dir else ""
         raise ValueError(f"{data.name} has {data.num_classes} class{where} ({data.classes}): a classifier needs at "
@@ -1177,6 +1179,23 @@ class EvalSteps:
         n, total = self.num_evals, self.total
         k = -(-step * n // total)          # the first k with total * k // n >= step (the k's give increasing steps)
         return (k <= n and total * k // n == step) or (step == 1 and total < n)   # max(1, ...): step 0 -> 1
+
+
+def check_run_memory(cfg, data):
+    """Before the images are resized to --img-size: the bytes the run will hold at least (the resized
+    images, and one block's attention weights for one batch on the CPU), refused with the figures and what
+    to change when they exceed the memory available (--img-size 20000 was a raw MemoryError)."""
+    H, W = _pair(cfg.img_size)
+    n, C = data.x_train.shape[0] + data.x_test.shape[0], data.x_train.shape[3]
+    images = n * H * W * C                                     # uint8 (N, H, W, C), train and test
+    P = cfg.patch_size or getattr(presets.get(cfg.model), "patch_size", None)
+    attention = 0
+    if P and cfg.task != "clip" and cfg.backend != "cupy":     # (B, nh, N, N) weights, kept for backward
+        tokens = (H // P) * (W // P) + 1
+        attention = cfg.batch_size * (cfg.num_heads or 1) * tokens ** 2 * numpy.dtype(cfg.dtype or "float32").itemsize
+    check_fits(images + attention, f"--img-size {cfg.img_size}: the {n:,} images resized ({gib(images)}) and one "
+               f"block's attention for a batch of {cfg.batch_size} ({gib(attention)})",
+               "lower --img-size (or --batch-size, --train-subset), or raise --patch-size")
 
 
 def evaluation_steps(cfg, total_steps, steps_per_epoch):

@@ -8,7 +8,7 @@ import zipfile
 import numpy as np
 import pytest
 
-from test_reliability_more import save_png
+from test_reliability_more import TINY_FLAGS, save_png
 
 
 def tiny_run(out, steps=2):
@@ -144,3 +144,13 @@ def test_the_evaluation_steps_of_a_long_run_are_a_rule_not_a_set():
     assert 1 in steps and 10**12 in steps and 0 not in steps and 10**12 + 1 not in steps
     spread = evaluation_steps(TrainConfig(max_steps=150, num_evals=4), 150, 10)
     assert [s for s in range(200) if s in spread] == [37, 75, 112, 150]
+
+
+def test_an_img_size_beyond_memory_is_refused_with_the_figures_before_resizing(tmp_path, capsys):
+    from minivit.train import main
+
+    assert main([*TINY_FLAGS, "--img-size", "20000", "--max-steps", "1", "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()          # was a raw MemoryError (10.9 TiB) in resize_images
+    assert len(err) == 1 and not (tmp_path / "run").exists()
+    assert "--img-size 20000: the 2,256 images resized (2.7 TB) and one block's attention for a batch of 32" in err[0]
+    assert "lower --img-size (or --batch-size, --train-subset), or raise --patch-size" in err[0]
