@@ -14,7 +14,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
-from minivit.data import FASHION_MNIST_GZ_MD5, FASHION_MNIST_URL  # noqa: E402
+from minivit.data import FASHION_MNIST_GZ_MD5, FASHION_MNIST_GZ_SIZE, FASHION_MNIST_URL  # noqa: E402
 from minivit.download import NetworkError, download_file, no_network_message  # noqa: E402
 
 
@@ -29,7 +29,7 @@ def main(argv=None):
     base = args.base_url if args.base_url.endswith("/") else args.base_url + "/"
     for name, md5 in FASHION_MNIST_GZ_MD5.items():
         try:
-            download_file(base + name, os.path.join(folder, name), md5)
+            download_file(base + name, os.path.join(folder, name), md5, size=FASHION_MNIST_GZ_SIZE[name])
         except NetworkError as err:
             print(no_network_message(base + name, folder, list(FASHION_MNIST_GZ_MD5)))
             for n, m in FASHION_MNIST_GZ_MD5.items():

@@ -43,6 +43,7 @@ except ImportError:
 
 CIFAR10_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"
 CIFAR10_ARCHIVE = "cifar-10-python.tar.gz"
+CIFAR10_ARCHIVE_SIZE = 170498071  # bytes of the official archive: the downloader fetches no more than this
 CIFAR10_FOLDER = "cifar-10-batches-py"  # what the archive extracts to
 CIFAR10_TRAIN_FILES = ["data_batch_1", "data_batch_2", "data_batch_3", "data_batch_4", "data_batch_5"]
 CIFAR10_TEST_FILE = "test_batch"
@@ -236,6 +237,12 @@ FASHION_MNIST_GZ_MD5 = {  # of the official .gz downloads (Fashion-MNIST README;
     "train-labels-idx1-ubyte.gz": "25c81989df183df01b3e8a0aad5dffbe",
     "t10k-images-idx3-ubyte.gz": "bef4ecab320f06d8554ea6380940ec79",
     "t10k-labels-idx1-ubyte.gz": "bb300cfdad3c16e7a12a480ee83cd310",
+}
+FASHION_MNIST_GZ_SIZE = {  # bytes of the official .gz downloads: the downloader fetches no more than this
+    "train-images-idx3-ubyte.gz": 26421880,
+    "train-labels-idx1-ubyte.gz": 29515,
+    "t10k-images-idx3-ubyte.gz": 4422102,
+    "t10k-labels-idx1-ubyte.gz": 5148,
 }
 FASHION_MNIST_CLASSES = [
     "T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot",

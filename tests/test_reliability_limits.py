@@ -4,6 +4,7 @@ its fix."""
 
 import os
 import zipfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -154,3 +155,117 @@ def test_an_img_size_beyond_memory_is_refused_with_the_figures_before_resizing(t
     assert len(err) == 1 and not (tmp_path / "run").exists()
     assert "--img-size 20000: the 2,256 images resized (2.7 TB) and one block's attention for a batch of 32" in err[0]
     assert "lower --img-size (or --batch-size, --train-subset), or raise --patch-size" in err[0]
+
+
+# ---- 8. the downloader: a size cap, a deadline, a .part file ---------------------------------------------
+
+
+@pytest.fixture
+def server():
+    """A local HTTP server in a thread (no internet here): /ok sends BODY, /endless sends zeros forever
+    (no Content-Length), /liar announces 10 GB, /slow sends a byte every 0.2 s. Yields its base URL."""
+    import http.server
+    import threading
+    import time
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def do_GET(self):
+            self.send_response(200)
+            if self.path == "/liar":
+                self.send_header("Content-Length", str(10**10))
+            elif self.path == "/ok":
+                self.send_header("Content-Length", str(len(BODY)))
+            self.end_headers()
+            try:
+                if self.path == "/ok":
+                    self.wfile.write(BODY)
+                elif self.path in ("/endless", "/liar"):
+                    for _ in range(4096):                 # 4 GiB at most, if nothing stops the client
+                        self.wfile.write(bytes(1 << 20))
+                elif self.path == "/slow":
+                    for _ in range(600):
+                        self.wfile.write(b"x")
+                        self.wfile.flush()
+                        time.sleep(0.2)
+            except OSError:                               # the client hung up: what the tests want
+                pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    httpd.daemon_threads = True
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+    httpd.server_close()
+
+
+BODY = b"minivit" * 1000
+
+
+def _md5(raw):
+    import hashlib
+
+    return hashlib.md5(raw).hexdigest()
+
+
+def test_the_download_stops_at_the_known_size_and_leaves_nothing(server, tmp_path):
+    from minivit.download import download_file
+
+    dest = tmp_path / "data.gz"
+    with pytest.raises(ValueError, match=r"/endless: the server sent more than the file's 7,000 bytes"):
+        download_file(server + "/endless", dest, _md5(BODY), size=len(BODY), progress=False)   # was: filled the disk
+    with pytest.raises(ValueError, match=r"/liar: the server announces 10,000,000,000 bytes, and the file is 7,000"):
+        download_file(server + "/liar", dest, _md5(BODY), size=len(BODY), progress=False)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_download_with_no_room_on_disk_is_refused_before_it_starts(server, tmp_path, monkeypatch):
+    import shutil
+
+    from minivit.download import download_file
+
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**9, 10**9 - 100, 100))
+    with pytest.raises(ValueError, match=r"/ok: 7,000 bytes to download, and .* has 100 bytes free: make room"):
+        download_file(server + "/ok", tmp_path / "data.gz", _md5(BODY), size=len(BODY), progress=False)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_slow_server_is_given_up_on_at_the_deadline(server, tmp_path):
+    import time
+
+    from minivit.download import NetworkError, download_file
+
+    start = time.monotonic()
+    with pytest.raises(NetworkError, match=r"/slow did not finish within its deadline .*the server is too slow"):
+        download_file(server + "/slow", tmp_path / "data.gz", _md5(BODY), deadline=1.0, progress=False)
+    assert time.monotonic() - start < 10                   # was: 2 minutes of a byte every 0.2 s, no deadline
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_download_goes_to_a_part_file_renamed_only_when_its_md5_matches(server, tmp_path, monkeypatch):
+    import os
+
+    from minivit import download
+
+    dest = tmp_path / "data.gz"
+    (tmp_path / "data.gz.part").write_bytes(b"left by a run killed with SIGKILL")
+    renames = []
+    real_replace = os.replace
+    monkeypatch.setattr(download.os, "replace", lambda a, b: (renames.append((a, b)), real_replace(a, b)))
+    assert download.download_file(server + "/ok", dest, _md5(BODY), size=len(BODY), progress=False) == str(dest)
+    assert renames == [(str(dest) + ".part", str(dest))] and dest.read_bytes() == BODY
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data.gz"]          # the stale .part overwritten
+    with pytest.raises(ValueError, match="md5"):
+        download.download_file(server + "/ok", tmp_path / "other.gz", "0" * 32, progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data.gz"]
+
+
+def test_the_download_scripts_pass_the_official_sizes():
+    from minivit.data import CIFAR10_ARCHIVE_SIZE, FASHION_MNIST_GZ_MD5, FASHION_MNIST_GZ_SIZE
+
+    assert set(FASHION_MNIST_GZ_SIZE) == set(FASHION_MNIST_GZ_MD5) and CIFAR10_ARCHIVE_SIZE == 170498071
+    for script in ("download_cifar10.py", "download_fashion_mnist.py"):
+        assert "size=" in (Path(__file__).resolve().parents[1] / "data_scripts" / script).read_text()
