@@ -453,9 +453,12 @@ def resize_state_dict(config, state, img_size):
     new_config = dataclasses.replace(config, img_size=img_size)   # checks that P divides img_size
     if new_config.grid_size == config.grid_size:
         return new_config, dict(state)
+    if config.pos_embed in ("sincos2d", "none"):   # no table: sincos2d is computed for whatever grid there is
+        return new_config, dict(state)
     if config.pos_embed != "learned":
         raise ValueError(f"only the learned 1-D table (pos_embed='learned') is resized for another patch grid; "
-                         f"this checkpoint has pos_embed={config.pos_embed!r}")
+                         f"this checkpoint has pos_embed={config.pos_embed!r}: train it at its own --img-size "
+                         f"{config.img_size[0]}")
     state = dict(state)
     T = config.num_prefix_tokens          # the class token's and the registers' rows, kept as they are
     state["pos_embed"] = resize_pos_embed(_as_numpy(state["pos_embed"]), config.grid_size, new_config.grid_size, T)

@@ -269,3 +269,19 @@ def test_the_download_scripts_pass_the_official_sizes():
     assert set(FASHION_MNIST_GZ_SIZE) == set(FASHION_MNIST_GZ_MD5) and CIFAR10_ARCHIVE_SIZE == 170498071
     for script in ("download_cifar10.py", "download_fashion_mnist.py"):
         assert "size=" in (Path(__file__).resolve().parents[1] / "data_scripts" / script).read_text()
+
+
+# ---- 5/10. --init of a checkpoint without a learned position table ----------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["sincos2d", "none"])
+def test_init_of_a_checkpoint_without_a_position_table_trains_at_another_img_size(tmp_path, capsys, kind):
+    from minivit.train import main
+
+    pre = tmp_path / "pre"
+    assert main([*TINY_FLAGS, "--pos-embed", kind, "--max-steps", "2", "--out", str(pre)]) == 0
+    assert main([*TINY_FLAGS, "--max-steps", "2", "--init", str(pre / "checkpoint.npz"),      # was KeyError
+                 "--out", str(tmp_path / "ft")]) == 0                                       # 'pos_embed'
+    assert main([*TINY_FLAGS, "--max-steps", "2", "--img-size", "48", "--init", str(pre / "checkpoint.npz"),
+                 "--out", str(tmp_path / "ft48")]) == 0                 # was refused: nothing to resize
+    assert (tmp_path / "ft48" / "checkpoint.npz").exists()
