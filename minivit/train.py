@@ -1316,8 +1316,30 @@ def evaluate_and_save(run):
     return record
 
 
+def _summary_of_a_finished_run(run):
+    """A finished run resumed trains no step: its summary.json is kept as it is (rewritten, it said 0 img/s)
+    and returned; None when this run trained, or there is no readable summary to keep."""
+    path = None if run.cfg.out is None else os.path.join(run.cfg.out, "summary.json")
+    if run.step != run.start_step or run.step == 0 or path is None or not os.path.isfile(path):
+        return None
+    try:
+        with open(path) as f:
+            summary = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(summary, dict) or summary.get("steps") != run.step:
+        return None
+    if run.cfg.verbose:
+        print(f"the run in {run.cfg.out} had already finished its {run.step} steps: nothing trained, its summary "
+              f"kept (to train on, resume with a larger --max-steps or --epochs)", flush=True)
+    return summary
+
+
 def finish(run, stopped_by):
     """The run's summary, written to out with the curves; returns the TrainResult."""
+    kept = _summary_of_a_finished_run(run)
+    if kept is not None:
+        return TrainResult(run.model, run.history, kept, run.cfg.out)
     wall = time.perf_counter() - run.start_time
     last = run.history[-1] if run.history else {}
     summary = {"best_val_accuracy": run.best, "final_val_accuracy": last.get("val_acc"),
@@ -1395,9 +1417,37 @@ def _parser():
     return p
 
 
+def check_resume_flags(cfg, given):
+    """resume_config cannot tell a flag given with its default's value (--dataset cifar10) from no flag;
+    main can: such a flag that differs from the run's own setting is refused, as resume_config refuses the
+    rest. given: the names of the flags on the command line."""
+    fields = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+    path = os.path.join(_resume_folder(cfg), "checkpoint.npz")
+    try:                                   # the metadata alone; a file that cannot be read is resume_config's to name
+        with numpy.load(path, allow_pickle=False) as npz:
+            saved = json.loads(str(npz["meta"]))["extra"]["train_config"]
+        saved = {k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()}
+    except Exception:
+        return
+    fell_back = cfg.fallback and saved.get("dataset") != "cifar10"
+    refused = [f"{_flag(name)} {fields[name]!r} (the run's: {saved[name]!r})" for name in given
+               if name in saved and getattr(cfg, name) == fields[name] != saved[name]
+               and name not in RESUME_RUNTIME + RESUME_APPLIED and not (fell_back and name in ("dataset", "data_dir"))]
+    if refused:
+        raise ValueError(f"--resume continues the run in {os.path.dirname(path)} with its own settings, and these "
+                         f"differ from them: {'; '.join(refused)}; to change them, start a new run (another --out, "
+                         f"or --overwrite)")
+
+
 def main(argv=None):
-    cfg = TrainConfig(**vars(_parser().parse_args(argv)))
+    parser = _parser()
+    cfg = TrainConfig(**vars(parser.parse_args(argv)))
+    unset = object()                               # a default no flag can give: what is left is on the command line
+    parser.set_defaults(**{f.name: unset for f in dataclasses.fields(TrainConfig)})
+    given = [name for name, value in vars(parser.parse_args(argv)).items() if value is not unset]
     try:
+        if cfg.resume and cfg.out is not None:
+            check_resume_flags(cfg, given)
         result = train(cfg)
     except TrainingDiverged as err:
         print(f"error: {err}", file=sys.stderr)

@@ -285,3 +285,31 @@ def test_init_of_a_checkpoint_without_a_position_table_trains_at_another_img_siz
     assert main([*TINY_FLAGS, "--max-steps", "2", "--img-size", "48", "--init", str(pre / "checkpoint.npz"),
                  "--out", str(tmp_path / "ft48")]) == 0                 # was refused: nothing to resize
     assert (tmp_path / "ft48" / "checkpoint.npz").exists()
+
+
+# ---- smaller ones ----------------------------------------------------------------------------------------
+
+
+def test_resume_refuses_a_flag_given_with_the_defaults_value_that_differs_from_the_run(tmp_path, capsys):
+    from minivit.train import main
+
+    out = tmp_path / "run"
+    assert main([*TINY_FLAGS, "--max-steps", "2", "--out", str(out)]) == 0
+    capsys.readouterr()
+    assert main(["--out", str(out), "--resume", "--dataset", "cifar10", "--max-steps", "4", "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()                 # was: accepted silently, trained on shapes
+    assert len(err) == 1 and "--dataset 'cifar10' (the run's: 'shapes')" in err[0]
+    assert main(["--out", str(out), "--resume", "--dataset", "shapes", "--max-steps", "4", "--no-progress"]) == 0
+
+
+def test_resuming_a_finished_run_keeps_its_summary(tmp_path, capsys):
+    from minivit.train import main
+
+    out = tmp_path / "run"
+    assert main([*TINY_FLAGS, "--max-steps", "2", "--out", str(out)]) == 0
+    before = (out / "summary.json").read_bytes()
+    capsys.readouterr()
+    assert main(["--out", str(out), "--resume", "--no-progress"]) == 0
+    assert (out / "summary.json").read_bytes() == before                 # was rewritten with 0 img/s
+    said = capsys.readouterr().out
+    assert "had already finished its 2 steps: nothing trained" in said and "(0 img/s)" not in said
