@@ -285,11 +285,22 @@ def restore_dropout_rngs(model, states):
             layer.rng.bit_generator.state = states[name]
 
 
+def check_is_vit(path, meta):
+    """Refuse, by what it is, a checkpoint of another model than a ViT classifier (a CLIP run's, --task clip),
+    where a ViT is needed (predict, load_model, --init): its config would otherwise be called invalid."""
+    config = meta.get("config")
+    if isinstance(config, dict) and "vision_width" in config:
+        raise ValueError(f"{os.fspath(path)!r} is a CLIP checkpoint (an image and a text encoder, written by "
+                         f"--task clip), not a ViT classifier: continue it with `python -m minivit.train --resume "
+                         f"--out <its run folder>`, or load it with minivit.clip_train's build_model")
+
+
 def load_model(path, backend=None):
     """The ViT saved in a checkpoint (a file, or a run folder holding checkpoint.npz), with its weights, on
     the current backend unless one is named. Non-finite weights (a diverged run) are refused by name."""
     ckpt = load_checkpoint(path)
     path, meta = ckpt["path"], ckpt["meta"]
+    check_is_vit(path, meta)
     check_finite(ckpt["params"], repr(path))
     try:
         config = ViTConfig.from_dict(meta["config"])

@@ -32,7 +32,7 @@ import zipfile
 import numpy
 
 from .backend import to_numpy
-from .checkpoint import check_finite, load_checkpoint, read_npz
+from .checkpoint import check_finite, check_is_vit, load_checkpoint, read_npz
 from .layers import resize_pos_embed
 from .model import ViT, ViTConfig, param_shapes
 
@@ -594,7 +594,9 @@ def load_checkpoint_file(path, num_heads=None, img_size=None, gelu=None, num_cla
 def _from_minivit_checkpoint(path, params, num_heads, img_size, gelu, num_classes):
     """A checkpoint written by minivit.checkpoint (the trainer's): its config is in its metadata."""
     what = f"the minivit checkpoint {os.fspath(path)!r}"
-    config = ViTConfig.from_dict(load_checkpoint(path)["meta"]["config"])
+    meta = load_checkpoint(path)["meta"]
+    check_is_vit(path, meta)
+    config = ViTConfig.from_dict(meta["config"])
     if num_heads is not None and num_heads != config.num_heads:
         raise ValueError(f"num_heads={num_heads}, but {what} was saved with {config.num_heads}")
     if img_size is not None and dataclasses.replace(config, img_size=img_size).img_size != config.img_size:

@@ -313,3 +313,20 @@ def test_resuming_a_finished_run_keeps_its_summary(tmp_path, capsys):
     assert (out / "summary.json").read_bytes() == before                 # was rewritten with 0 img/s
     said = capsys.readouterr().out
     assert "had already finished its 2 steps: nothing trained" in said and "(0 img/s)" not in said
+
+
+def test_a_clip_checkpoint_given_to_predict_or_init_is_called_one(tmp_path, capsys):
+    from test_reliability_more import rewrite_checkpoint
+
+    from minivit import predict
+    from minivit.train import main
+
+    ckpt = tiny_run(tmp_path / "run")                        # a CLIP run's metadata, as --task clip writes it
+    rewrite_checkpoint(ckpt, lambda meta: meta.update(config={"embed_dim": 64, "vision_width": 64,
+                                                              "text_width": 64, "vocab_size": 34}))
+    save_png(tmp_path / "x.png", np.zeros((32, 32, 3), np.uint8))
+    capsys.readouterr()
+    assert predict.main([str(tmp_path / "x.png"), "--checkpoint", str(ckpt)]) == 2
+    assert main([*TINY_FLAGS, "--max-steps", "2", "--init", str(ckpt), "--out", str(tmp_path / "ft")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()     # was: "unknown ViTConfig fields [...]"
+    assert len(err) == 2 and all("is a CLIP checkpoint" in line and "checkpoint.npz" in line for line in err)
