@@ -25,6 +25,7 @@ is imported only to read a .pth/.bin file, safetensors only to read a .safetenso
 """
 
 import dataclasses
+import json
 import math
 import os
 import zipfile
@@ -544,7 +545,27 @@ def _read_zip(path, size):
                      f"(embedding/kernel, Transformer/...) nor timm's (a 4-D {PATCH_KEY}); keys: {sorted(keys)[:5]}")
 
 
+SAFETENSORS_FLOATS = ("F16", "BF16", "F32", "F64")   # the dtypes weights may have; BF16 is widened to float32
+
+
 def _read_safetensors(path):
+    """{name: array} of a .safetensors file: its JSON header read first, so that integer (quantised) or
+    boolean tensors are refused by name, and BF16 ones (NumPy has no bfloat16) are widened to float32."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        header_len = int.from_bytes(f.read(8), "little")
+        try:
+            header = json.loads(f.read(header_len))
+            header.pop("__metadata__", None)
+            dtypes = {name: entry["dtype"] for name, entry in header.items()}
+        except (ValueError, TypeError, KeyError, AttributeError) as e:
+            raise ValueError(f"{path!r}: a .safetensors file whose header cannot be read ({e})") from None
+    other = [f"{name} ({dtype})" for name, dtype in dtypes.items() if dtype not in SAFETENSORS_FLOATS]
+    if other:
+        raise ValueError(f"{path!r}: {len(other)} tensors are not floating-point ({', '.join(other[:3])}): weights "
+                         f"must be F16, BF16, F32 or F64 (a quantised or foreign file: convert it to float first)")
+    if "BF16" in dtypes.values():
+        return _read_bf16_safetensors(path, header, 8 + header_len, size)
     try:
         from safetensors.numpy import load_file
     except ImportError:
@@ -555,6 +576,27 @@ def _read_safetensors(path):
     except Exception as e:  # safetensors raises its own SafetensorError; truncated data lands here too
         raise ValueError(f"{path!r}: a .safetensors file that cannot be read, truncated or corrupt? "
                          f"({type(e).__name__}: {e})") from None
+
+
+def _read_bf16_safetensors(path, header, start, size):
+    """_read_safetensors for a file holding BF16 tensors: each read at its offsets (checked against its shape
+    and the file's size first), BF16 widened to float32 exactly (its 16 bits are float32's upper half)."""
+    kinds = {"F16": numpy.float16, "BF16": numpy.uint16, "F32": numpy.float32, "F64": numpy.float64}
+    arrays = {}
+    with open(path, "rb") as f:
+        for name, entry in header.items():
+            dtype = numpy.dtype(kinds[entry["dtype"]]).newbyteorder("<")
+            begin, end = entry["data_offsets"]
+            shape = tuple(entry["shape"])
+            if not 0 <= begin <= end <= size - start or end - begin != math.prod(shape) * dtype.itemsize:
+                raise ValueError(f"{path!r}: the tensor {name!r} ({entry['dtype']} {list(shape)}) has offsets "
+                                 f"{begin}..{end} that do not fit its shape or the file: truncated or corrupt")
+            f.seek(start + begin)
+            value = numpy.frombuffer(f.read(end - begin), dtype).reshape(shape)
+            if entry["dtype"] == "BF16":
+                value = (value.astype(numpy.uint32) << 16).view(numpy.float32)
+            arrays[name] = value.astype(value.dtype.newbyteorder("="))
+    return arrays
 
 
 def _read_torch(path):

@@ -330,3 +330,36 @@ def test_a_clip_checkpoint_given_to_predict_or_init_is_called_one(tmp_path, caps
     assert main([*TINY_FLAGS, "--max-steps", "2", "--init", str(ckpt), "--out", str(tmp_path / "ft")]) == 2
     err = capsys.readouterr().err.strip().splitlines()     # was: "unknown ViTConfig fields [...]"
     assert len(err) == 2 and all("is a CLIP checkpoint" in line and "checkpoint.npz" in line for line in err)
+
+
+def write_safetensors(path, arrays, dtype):
+    """A .safetensors file written by hand (NumPy has no bfloat16): dtype 'BF16' keeps float32's upper 16 bits."""
+    import json
+
+    header, blobs, offset = {}, [], 0
+    for name, value in arrays.items():
+        raw = ((value.astype(np.float32).view(np.uint32) >> 16).astype("<u2") if dtype == "BF16"
+               else value.astype({"I32": "<i4", "F32": "<f4"}[dtype])).tobytes()
+        header[name] = {"dtype": dtype, "shape": list(value.shape), "data_offsets": [offset, offset + len(raw)]}
+        blobs.append(raw)
+        offset += len(raw)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(len(text).to_bytes(8, "little") + text + b"".join(blobs))
+    return path
+
+
+def test_bf16_safetensors_are_widened_and_integer_ones_refused_by_name(tmp_path):
+    import minivit
+    from minivit import convert
+    from minivit.model import ViT, ViTConfig
+
+    model = ViT(ViTConfig(img_size=32, patch_size=8, num_classes=3, embed_dim=16, depth=1, num_heads=2))
+    state = {k: ((np.asarray(v, np.float32).view(np.uint32) >> 16) << 16).view(np.float32)   # bf16-exact values
+             for k, v in convert.to_timm(model.state_dict(), 8, 3).items()}
+    loaded = minivit.from_pretrained(write_safetensors(tmp_path / "bf16.safetensors", state, "BF16"), num_heads=2,
+                                     verbose=False)              # was: "cannot be read, truncated or corrupt?"
+    back = convert.to_timm(loaded.state_dict(), 8, 3)
+    assert all(np.array_equal(back[k], state[k]) for k in state)
+    with pytest.raises(ValueError, match=r"int.safetensors'?: 20 tensors are not floating-point \(.* \(I32\)"):
+        minivit.from_pretrained(write_safetensors(tmp_path / "int.safetensors", state, "I32"), num_heads=2)
