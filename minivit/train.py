@@ -489,6 +489,15 @@ def announce_ops(model, optimizer, images, mean, std, dtype, forward=True):
 # --------------------------------------------------------------------------------------------------
 
 
+class SecondSignal(KeyboardInterrupt):
+    """A second Ctrl-C or SIGTERM: the run stops at once, even during its save (checkpoints are written
+    atomically, so the last one completed is whole). signum: the signal."""
+
+    def __init__(self, signum):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
 class _StopFlag:
     """Ctrl-C (SIGINT) or SIGTERM (what a cluster scheduler sends before it kills a job) sets the flag;
     the loop finishes its step, evaluates, saves a checkpoint and stops. A second signal interrupts at once."""
@@ -512,7 +521,7 @@ class _StopFlag:
 
     def _handle(self, signum, frame):
         if self.received:
-            raise KeyboardInterrupt
+            raise SecondSignal(signum)
         self.signum, self.received = signum, True
 
     def agree(self, world):
@@ -1459,6 +1468,12 @@ def main(argv=None):
     except (ValueError, TypeError, RuntimeError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as err:   # a second signal (SecondSignal), or Ctrl-C before training began
+        signum = getattr(err, "signum", signal.SIGINT)
+        kept = "" if cfg.out is None else (f"; {os.path.join(cfg.out, 'checkpoint.npz')}, if there is one, is whole "
+                                           f"(written atomically): continue from it with --resume")
+        print(f"error: {signal.Signals(signum).name}: stopped at once{kept}", file=sys.stderr)
+        return 128 + signum
     s = result.summary
     if s["final_val_accuracy"] is not None:
         print(f"done: {s['steps']} steps in {s['wall_seconds']:.0f} s ({s['images_per_second']:.0f} img/s); "

@@ -363,3 +363,28 @@ def test_bf16_safetensors_are_widened_and_integer_ones_refused_by_name(tmp_path)
     assert all(np.array_equal(back[k], state[k]) for k in state)
     with pytest.raises(ValueError, match=r"int.safetensors'?: 20 tensors are not floating-point \(.* \(I32\)"):
         minivit.from_pretrained(write_safetensors(tmp_path / "int.safetensors", state, "I32"), num_heads=2)
+
+
+@pytest.mark.parametrize("name", ["SIGINT", "SIGTERM"])
+def test_a_second_signal_during_the_save_stops_at_once_in_one_line(tmp_path, capsys, monkeypatch, name):
+    import signal
+
+    import minivit.train as T
+
+    signum, save = getattr(signal, name), T.evaluate_and_save
+
+    def save_interrupted_twice(run):                       # the signal, then the user presses again mid-save
+        os.kill(os.getpid(), signum)
+        os.kill(os.getpid(), signum)
+        return save(run)
+
+    out = tmp_path / "run"
+    assert T.main([*TINY_FLAGS, "--max-steps", "2", "--out", str(out)]) == 0
+    monkeypatch.setattr(T, "evaluate_and_save", save_interrupted_twice)
+    capsys.readouterr()
+    assert T.main(["--out", str(out), "--resume", "--max-steps", "4", "--no-progress"]) == 128 + signum
+    err = capsys.readouterr().err.strip().splitlines()      # was a raw KeyboardInterrupt traceback
+    assert err == [f"error: {name}: stopped at once; {out / 'checkpoint.npz'}, if there is one, is whole (written "
+                   f"atomically): continue from it with --resume"]
+    monkeypatch.setattr(T, "evaluate_and_save", save)
+    assert T.main(["--out", str(out), "--resume", "--max-steps", "4", "--no-progress"]) == 0
