@@ -1070,7 +1070,7 @@ def set_up(cfg, model=None, data=None):
         backend.set_backend(cfg.backend)
     world = distributed.init()                      # None for one process (no mpiexec): nothing below changes
     if world is not None:                           # each rank takes B / R images of every batch
-        distributed.check_global_batch(cfg.batch_size, world.world_size, cfg.grad_accum)
+        distributed.check_global_batch(cfg.batch_size, world.world_size, cfg.grad_accum, resumed is not None)
         if world.rank != 0:                         # rank 0 alone shows the progress bar
             cfg = dataclasses.replace(cfg, progress=False)
     steps_per_epoch = data.x_train.shape[0] // cfg.batch_size

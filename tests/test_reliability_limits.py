@@ -388,3 +388,18 @@ def test_a_second_signal_during_the_save_stops_at_once_in_one_line(tmp_path, cap
                    f"atomically): continue from it with --resume"]
     monkeypatch.setattr(T, "evaluate_and_save", save)
     assert T.main(["--out", str(out), "--resume", "--max-steps", "4", "--no-progress"]) == 0
+
+
+def test_a_resume_on_ranks_that_do_not_divide_its_batch_is_told_which_counts_do():
+    import inspect
+
+    import minivit.train
+    from minivit.distributed import check_global_batch
+
+    with pytest.raises(ValueError, match=r"resumed run's batch size 32 \(grad_accum 1\) does not divide over 3 ranks, "
+                                         r"and it cannot change on --resume: start it with mpiexec -n R for R in "
+                                         r"\[1, 2, 4, 8, 16, 32\]"):
+        check_global_batch(32, 3, resumed=True)             # was: "use a batch size of 30", which --resume refuses
+    with pytest.raises(ValueError, match=r"R in \[1, 2, 4, 8\]"):
+        check_global_batch(32, 3, grad_accum=4, resumed=True)
+    assert "cfg.grad_accum, resumed is not None)" in inspect.getsource(minivit.train.set_up)
