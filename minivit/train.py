@@ -659,6 +659,10 @@ def check_out(cfg):
         raise NotADirectoryError(errno.ENOTDIR, f"--out cannot be created: {parent} is a file", out)
     check_not_in_use(out)
     held = [name for name in RUN_FILES[:3] if os.path.exists(os.path.join(out, name))]
+    if held and not (cfg.resume or cfg.overwrite) and "checkpoint.npz" not in held:
+        raise ValueError(f"--out {out} holds the start of a run that saved no checkpoint ({', '.join(held)}; "
+                         f"stopped before or during its first save): nothing to resume; replace it with "
+                         f"--overwrite, or choose another --out")
     if held and not (cfg.resume or cfg.overwrite):
         raise ValueError(f"--out {out} already holds a run ({', '.join(held)}): continue it with --resume, "
                          f"replace it with --overwrite, or choose another --out")
@@ -833,6 +837,9 @@ def resume_config(cfg):
     out = _resume_folder(cfg)
     check_not_in_use(out)
     ckpt_path = os.path.join(out, "checkpoint.npz")
+    if not os.path.exists(ckpt_path) and os.path.exists(os.path.join(out, "metrics.jsonl")):
+        raise FileNotFoundError(f"--resume: the run in {out} saved no checkpoint (stopped before or during its "
+                                f"first save): nothing to resume; start it again with --overwrite")
     if not os.path.exists(ckpt_path):
         raise FileNotFoundError(f"--resume: no checkpoint at {ckpt_path!r} (train into --out {out!r} first)")
     resumed = load_checkpoint(ckpt_path)

@@ -403,3 +403,20 @@ def test_a_resume_on_ranks_that_do_not_divide_its_batch_is_told_which_counts_do(
     with pytest.raises(ValueError, match=r"R in \[1, 2, 4, 8\]"):
         check_global_batch(32, 3, grad_accum=4, resumed=True)
     assert "cfg.grad_accum, resumed is not None)" in inspect.getsource(minivit.train.set_up)
+
+
+def test_a_run_killed_before_its_first_checkpoint_gets_advice_that_agrees(tmp_path, capsys):
+    from minivit.train import main
+
+    out = tmp_path / "run"
+    assert main([*TINY_FLAGS, "--max-steps", "2", "--out", str(out)]) == 0
+    (out / "checkpoint.npz").unlink()                       # what SIGKILL during the first save leaves
+    (out / "summary.json").unlink()
+    capsys.readouterr()
+    assert main([*TINY_FLAGS, "--max-steps", "2", "--out", str(out)]) == 2
+    assert main(["--out", str(out), "--resume", "--no-progress"]) == 2
+    new, resume = capsys.readouterr().err.strip().splitlines()
+    assert "--resume" not in new.replace("nothing to resume", "")     # was: "continue it with --resume", and
+    assert "saved no checkpoint" in new and "--overwrite" in new      # --resume: "train into --out first"
+    assert "saved no checkpoint" in resume and "start it again with --overwrite" in resume
+    assert main([*TINY_FLAGS, "--max-steps", "2", "--out", str(out), "--overwrite"]) == 0
