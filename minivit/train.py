@@ -54,7 +54,7 @@ from .data import DATASETS, Dataset, load_dataset, resize_images
 from .functional import GELU_KINDS, cross_entropy, cross_entropy_backward, cross_entropy_forward
 from .layers import POS_EMBED_KINDS
 from .memory import check_fits, gib
-from .model import DTYPES, ViT, ViTConfig, create_model, presets
+from .model import DTYPES, ViT, ViTConfig, create_model, param_shapes, presets
 from .optim import SGD, AdamW, WarmupCosine, clip_grad_norm, default_no_decay
 from .plot import read_metrics
 
@@ -411,6 +411,12 @@ def build_model(cfg, data, resumed=None):
             raise ValueError(f"--init {cfg.init} builds the checkpoint's model, and these flags ask for another: "
                              f"{'; '.join(differ)}. Leave them out (only --img-size changes a checkpoint's model)")
         return model
+    if cfg.model in presets:          # weights, gradients and AdamW's two moments: 4 copies, before one is made
+        config = dataclasses.replace(presets[cfg.model], **overrides)
+        n = sum(math.prod(shape) for shape in param_shapes(config).values())
+        check_fits(4 * n * numpy.dtype(cfg.dtype or "float32").itemsize,
+                   f"the model ({n:,} parameters: weights, gradients, the optimizer's two moments)",
+                   "lower --embed-dim or --depth, or choose a smaller --model")
     return create_model(cfg.model, seed=cfg.seed, dtype=cfg.dtype, **overrides)
 
 

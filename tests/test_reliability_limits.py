@@ -420,3 +420,14 @@ def test_a_run_killed_before_its_first_checkpoint_gets_advice_that_agrees(tmp_pa
     assert "saved no checkpoint" in new and "--overwrite" in new      # --resume: "train into --out first"
     assert "saved no checkpoint" in resume and "start it again with --overwrite" in resume
     assert main([*TINY_FLAGS, "--max-steps", "2", "--out", str(out), "--overwrite"]) == 0
+
+
+def test_a_model_beyond_memory_is_refused_with_the_figure_before_it_is_built(tmp_path, capsys):
+    from minivit.train import main
+
+    flags = [*TINY_FLAGS, "--embed-dim", "65536", "--depth", "12", "--max-steps", "1", "--out", str(tmp_path / "r")]
+    assert main(flags) == 2                                  # was a raw MemoryError (96 GiB) in the weights' init
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and not (tmp_path / "r").exists()
+    assert "the model (412,333,834,250 parameters: weights, gradients, the optimizer's two moments) needs 6.6 TB" \
+        in err[0] and "lower --embed-dim or --depth" in err[0]
