@@ -2,8 +2,9 @@
 
     python data_scripts/download_cifar10.py --root data/
 
-The archive is saved under a temporary name, kept only when its MD5 is the official one, then unpacked
-(refusing members with absolute paths or '..'). Run it again and it only checks what is there.
+The archive is saved to ROOT/cifar-10-python.tar.gz.part (no more than its official size, within an
+hour), renamed only when its MD5 is the official one, then unpacked (refusing members with absolute
+paths or '..'). Run it again and it only checks what is there.
 Without a network: put cifar-10-python.tar.gz into ROOT/ by hand and run it again.
 """
 
