@@ -23,7 +23,7 @@ import zipfile
 import numpy
 
 from .layers import Dropout
-from .memory import check_fits, gib
+from .memory import check_fits, size_text
 from .model import DTYPES, ViT, ViTConfig, param_shapes
 
 FORMAT = "minivit-checkpoint-1"
@@ -125,9 +125,10 @@ def read_npz(path):
                                  f"would need pickle to load: an edited or foreign file, not loaded")
             nbytes = math.prod(shape) * dtype.itemsize
             if nbytes > info.file_size - header_len:
-                raise ValueError(f"{path!r}: the header of {name!r} declares {shape} {dtype} ({gib(nbytes)}), "
-                                 f"and the file holds {gib(max(info.file_size - header_len, 0))} for it: a damaged "
-                                 f"or edited file (nothing was allocated)")
+                held = size_text(max(info.file_size - header_len, 0))
+                raise ValueError(f"{path!r}: the header of {name!r} declares {shape} {dtype} "
+                                 f"({size_text(nbytes)}), and the file holds {held} for it: a damaged or edited "
+                                 f"file (nothing was allocated)")
             declared[name] = nbytes
     check_fits(sum(declared.values()), f"{path!r} (its arrays)", "free memory, or use a smaller checkpoint")
     with numpy.load(path, allow_pickle=False) as npz:

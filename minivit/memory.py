@@ -10,22 +10,32 @@ import os
 
 
 def available_memory():
-    """Bytes this process can still allocate: MemAvailable from /proc/meminfo (Linux), else the free pages;
-    None when neither is known (then nothing is refused)."""
+    """Bytes this process can still allocate: MemAvailable from /proc/meminfo (Linux), else the free pages,
+    and no more than a container's cgroup limit leaves; None when none is known (then nothing is refused)."""
+    free = None
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                    free = int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
+    if free is None:
+        try:
+            free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            pass
+    try:                                       # cgroup v2: a container sees the host's meminfo, not its own limit
+        with open("/sys/fs/cgroup/memory.max") as f_max, open("/sys/fs/cgroup/memory.current") as f_now:
+            limit, used = f_max.read().strip(), int(f_now.read())
+        if limit != "max":
+            free = int(limit) - used if free is None else min(free, int(limit) - used)
+    except (OSError, ValueError):
+        pass
+    return free
 
 
-def gib(nbytes):
+def size_text(nbytes):
     """A byte count as people read it: '8.5 GB' (decimal), '312 MB', '40 kB'."""
     for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
         if nbytes >= size:
@@ -34,9 +44,9 @@ def gib(nbytes):
 
 
 def check_fits(nbytes, what, advice):
-    """Refuse (MemoryError's cousin, a ValueError with one line) when nbytes exceed the memory available.
-    what: the thing that would be allocated, naming its file or flag; advice: what to change."""
+    """Refuse, with a ValueError of one line (where numpy would raise a raw MemoryError), nbytes beyond the
+    memory available. what: the thing that would be allocated, naming its file or flag; advice: what to change."""
     free = available_memory()
     if free is not None and nbytes > free:
-        raise ValueError(f"{what} needs {gib(nbytes)}, and this machine has {gib(free)} of memory available: "
-                         f"{advice}")
+        raise ValueError(f"{what} needs {size_text(nbytes)}, and this machine has {size_text(free)} of memory "
+                         f"available: {advice}")

@@ -53,7 +53,7 @@ from .checkpoint import (check_finite, load_checkpoint, remove_stale_temporaries
 from .data import DATASETS, Dataset, load_dataset, resize_images
 from .functional import GELU_KINDS, cross_entropy, cross_entropy_backward, cross_entropy_forward
 from .layers import POS_EMBED_KINDS
-from .memory import check_fits, gib
+from .memory import check_fits, size_text
 from .model import DTYPES, ViT, ViTConfig, create_model, param_shapes, presets
 from .optim import SGD, AdamW, WarmupCosine, clip_grad_norm, default_no_decay
 from .plot import read_metrics
@@ -1215,8 +1215,8 @@ def check_run_memory(cfg, data):
     if P and cfg.task != "clip" and cfg.backend != "cupy":     # (B, nh, N, N) weights, kept for backward
         tokens = (H // P) * (W // P) + 1
         attention = cfg.batch_size * (cfg.num_heads or 1) * tokens ** 2 * numpy.dtype(cfg.dtype or "float32").itemsize
-    check_fits(images + attention, f"--img-size {cfg.img_size}: the {n:,} images resized ({gib(images)}) and one "
-               f"block's attention for a batch of {cfg.batch_size} ({gib(attention)})",
+    check_fits(images + attention, f"--img-size {cfg.img_size}: the {n:,} images resized ({size_text(images)}) "
+               f"and one block's attention for a batch of {cfg.batch_size} ({size_text(attention)})",
                "lower --img-size (or --batch-size, --train-subset), or raise --patch-size")
 
 
