@@ -277,8 +277,8 @@ def _read_idx_bytes(path, name, verify):
             size = header_len + math.prod(dims) if len(head) == header_len else len(head)
             check_fits(size, f"{path}: its header says {' x '.join(map(str, dims))} bytes of data, which",
                        "a damaged or edited file: delete it and download Fashion-MNIST again")
-            raw = head + f.read(size - len(head) + 1)    # one byte more than the header says: a longer file is
-    except (OSError, EOFError, zlib.error) as err:      # refused by the parser, and never read to its end
+            raw = head + f.read(size - len(head) + 1)    # one byte more than the header states: a longer
+    except (OSError, EOFError, zlib.error) as err:      # file is refused below, never read to its end
         raise ValueError(f"{path}: could not read or decompress it ({err})") from None
     if len(raw) > size:
         raise ValueError(f"{path}: holds more than the {size:,} bytes its header states (a damaged file or a "
