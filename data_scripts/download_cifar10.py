@@ -2,8 +2,9 @@
 
     python data_scripts/download_cifar10.py --root data/
 
-The archive is saved under a temporary name, kept only when its MD5 is the official one, then unpacked
-(refusing members with absolute paths or '..'). Run it again and it only checks what is there.
+The archive is saved to ROOT/cifar-10-python.tar.gz.part (no more than its official size, within an
+hour), renamed only when its MD5 is the official one, then unpacked (refusing members with absolute
+paths or '..'). Run it again and it only checks what is there.
 Without a network: put cifar-10-python.tar.gz into ROOT/ by hand and run it again.
 """
 
@@ -13,7 +14,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
-from minivit.data import CIFAR10_ARCHIVE, CIFAR10_FOLDER, CIFAR10_MD5, CIFAR10_URL  # noqa: E402
+from minivit.data import CIFAR10_ARCHIVE, CIFAR10_ARCHIVE_SIZE, CIFAR10_FOLDER, CIFAR10_MD5, CIFAR10_URL  # noqa: E402
 from minivit.download import NetworkError, download_file, md5_of_file, no_network_message, safe_extract_tar  # noqa: E402
 
 
@@ -39,7 +40,9 @@ def main(argv=None):
         print(f"{folder}: all batch files present with their official MD5; nothing to do")
         return 0
     try:
-        download_file(args.url, archive, args.md5)  # skips the download when the archive is already verified
+        # skipped when the archive is already there and verified; a mirror's own archive may differ in size
+        official = args.md5 == CIFAR10_MD5[CIFAR10_ARCHIVE]
+        download_file(args.url, archive, args.md5, size=CIFAR10_ARCHIVE_SIZE if official else None)
     except NetworkError as err:
         print(no_network_message(args.url, root, [CIFAR10_ARCHIVE]))
         print(f"  {CIFAR10_ARCHIVE}  md5 {args.md5}")

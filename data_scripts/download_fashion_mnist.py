@@ -2,8 +2,8 @@
 
     python data_scripts/download_fashion_mnist.py --root data/
 
-Each file is saved under a temporary name and kept only when its MD5 is the official one (the values
-the Fashion-MNIST README publishes for the .gz files). Files already there and verified are skipped.
+Each file is saved to NAME.part (no more than its official size) and renamed only when its MD5 is the
+official one (the values the Fashion-MNIST README publishes for the .gz files). Files already there and verified are skipped.
 On Debian/Ubuntu, `apt-get install dataset-fashion-mnist` installs the same data without this script.
 Then: load_dataset("fashion-mnist", data_dir="data/").
 """
@@ -14,7 +14,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
-from minivit.data import FASHION_MNIST_GZ_MD5, FASHION_MNIST_URL  # noqa: E402
+from minivit.data import FASHION_MNIST_GZ_MD5, FASHION_MNIST_GZ_SIZE, FASHION_MNIST_URL  # noqa: E402
 from minivit.download import NetworkError, download_file, no_network_message  # noqa: E402
 
 
@@ -29,7 +29,7 @@ def main(argv=None):
     base = args.base_url if args.base_url.endswith("/") else args.base_url + "/"
     for name, md5 in FASHION_MNIST_GZ_MD5.items():
         try:
-            download_file(base + name, os.path.join(folder, name), md5)
+            download_file(base + name, os.path.join(folder, name), md5, size=FASHION_MNIST_GZ_SIZE[name])
         except NetworkError as err:
             print(no_network_message(base + name, folder, list(FASHION_MNIST_GZ_MD5)))
             for n, m in FASHION_MNIST_GZ_MD5.items():

@@ -23,6 +23,7 @@ import zipfile
 import numpy
 
 from .layers import Dropout
+from .memory import check_fits, size_text
 from .model import DTYPES, ViT, ViTConfig, param_shapes
 
 FORMAT = "minivit-checkpoint-1"
@@ -100,6 +101,40 @@ def save_checkpoint(path, model, optimizer=None, extra=None):
     return write_atomic(path, lambda f: numpy.savez(f, **arrays))
 
 
+def read_npz(path):
+    """Every array of the .npz at path, {name: array}, each .npy header checked before its array is
+    allocated: a header that claims more bytes than its member holds (an edited or damaged file would
+    otherwise allocate whatever it claims), an object array (it would need pickle), or arrays larger than
+    the memory available are refused in one line naming the file and the array."""
+    declared = {}
+    with zipfile.ZipFile(path) as z:
+        for info in z.infolist():
+            name = info.filename[:-len(".npy")] if info.filename.endswith(".npy") else info.filename
+            with z.open(info) as f:
+                try:
+                    version = numpy.lib.format.read_magic(f)
+                    read_header = (numpy.lib.format.read_array_header_1_0 if version == (1, 0)
+                                   else numpy.lib.format.read_array_header_2_0)
+                    shape, _, dtype = read_header(f)
+                except (ValueError, OSError, EOFError) as err:
+                    raise ValueError(f"{path!r}: the array {name!r} has no readable .npy header ({err}): a "
+                                     f"damaged or foreign file") from None
+                header_len = f.tell()
+            if dtype.hasobject:
+                raise ValueError(f"{path!r}: the array {name!r} holds Python objects (dtype object), which "
+                                 f"would need pickle to load: an edited or foreign file, not loaded")
+            nbytes = math.prod(shape) * dtype.itemsize
+            if nbytes > info.file_size - header_len:
+                held = size_text(max(info.file_size - header_len, 0))
+                raise ValueError(f"{path!r}: the header of {name!r} declares {shape} {dtype} "
+                                 f"({size_text(nbytes)}), and the file holds {held} for it: a damaged or edited "
+                                 f"file (nothing was allocated)")
+            declared[name] = nbytes
+    check_fits(sum(declared.values()), f"{path!r} (its arrays)", "free memory, or use a smaller checkpoint")
+    with numpy.load(path, allow_pickle=False) as npz:
+        return {k: npz[k] for k in npz.files}
+
+
 def load_checkpoint(path):
     """Read a checkpoint: returns {"meta": dict, "params": {name: array}, "optimizer": state dict or None}.
     path: the .npz file, or a run folder (the --out of minivit.train) holding checkpoint.npz.
@@ -116,11 +151,10 @@ def load_checkpoint(path):
         raise ValueError(f"{path!r} is not a readable minivit checkpoint (truncated or another kind of file: "
                          "a checkpoint is an .npz archive)")
     try:
-        with numpy.load(path, allow_pickle=False) as npz:
-            if "meta" not in npz.files:
-                raise ValueError(f"{path!r} is an .npz file but not a minivit checkpoint (it has no 'meta' entry)")
-            meta = json.loads(str(npz["meta"]))
-            arrays = {k: npz[k] for k in npz.files if k != "meta"}
+        arrays = read_npz(path)
+        if "meta" not in arrays:
+            raise ValueError(f"{path!r} is an .npz file but not a minivit checkpoint (it has no 'meta' entry)")
+        meta = json.loads(str(arrays.pop("meta")))
     except (zipfile.BadZipFile, EOFError, OSError) as err:
         raise ValueError(f"{path!r} is not a readable minivit checkpoint (truncated or another kind of file: "
                          f"{err})") from None
@@ -252,11 +286,22 @@ def restore_dropout_rngs(model, states):
             layer.rng.bit_generator.state = states[name]
 
 
+def check_is_vit(path, meta):
+    """Refuse, by what it is, a checkpoint of another model than a ViT classifier (a CLIP run's, --task clip),
+    where a ViT is needed (predict, load_model, --init): its config would otherwise be called invalid."""
+    config = meta.get("config")
+    if isinstance(config, dict) and "vision_width" in config:
+        raise ValueError(f"{os.fspath(path)!r} is a CLIP checkpoint (an image and a text encoder, written by "
+                         f"--task clip), not a ViT classifier: continue it with `python -m minivit.train --resume "
+                         f"--out <its run folder>`, or load it with minivit.clip_train's build_model")
+
+
 def load_model(path, backend=None):
     """The ViT saved in a checkpoint (a file, or a run folder holding checkpoint.npz), with its weights, on
     the current backend unless one is named. Non-finite weights (a diverged run) are refused by name."""
     ckpt = load_checkpoint(path)
     path, meta = ckpt["path"], ckpt["meta"]
+    check_is_vit(path, meta)
     check_finite(ckpt["params"], repr(path))
     try:
         config = ViTConfig.from_dict(meta["config"])

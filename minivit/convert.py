@@ -25,6 +25,7 @@ is imported only to read a .pth/.bin file, safetensors only to read a .safetenso
 """
 
 import dataclasses
+import json
 import math
 import os
 import zipfile
@@ -32,7 +33,7 @@ import zipfile
 import numpy
 
 from .backend import to_numpy
-from .checkpoint import check_finite, load_checkpoint
+from .checkpoint import check_finite, check_is_vit, load_checkpoint, read_npz
 from .hf import load_vit
 from .layers import resize_pos_embed
 from .model import ViT, ViTConfig, param_shapes
@@ -454,9 +455,12 @@ def resize_state_dict(config, state, img_size):
     new_config = dataclasses.replace(config, img_size=img_size)   # checks that P divides img_size
     if new_config.grid_size == config.grid_size:
         return new_config, dict(state)
+    if config.pos_embed in ("sincos2d", "none"):   # no table: sincos2d is computed for whatever grid there is
+        return new_config, dict(state)
     if config.pos_embed != "learned":
         raise ValueError(f"only the learned 1-D table (pos_embed='learned') is resized for another patch grid; "
-                         f"this checkpoint has pos_embed={config.pos_embed!r}")
+                         f"this checkpoint has pos_embed={config.pos_embed!r}: train it at its own --img-size "
+                         f"{config.img_size[0]}")
     state = dict(state)
     T = config.num_prefix_tokens          # the class token's and the registers' rows, kept as they are
     state["pos_embed"] = resize_pos_embed(_as_numpy(state["pos_embed"]), config.grid_size, new_config.grid_size, T)
@@ -524,9 +528,8 @@ def _read_zip(path, size):
         raise ValueError(f"{path!r} is a zip archive but neither an .npz nor a PyTorch checkpoint "
                          f"(members: {names[:5]})")
     try:
-        with numpy.load(path, allow_pickle=False) as npz:
-            arrays = {k: npz[k] for k in npz.files}
-    except (ValueError, OSError, EOFError, zipfile.BadZipFile) as e:
+        arrays = read_npz(path)               # each header checked before its array is allocated
+    except (OSError, EOFError, zipfile.BadZipFile) as e:
         raise ValueError(f"{path!r}: an .npz whose arrays cannot be read, truncated or corrupt? ({e})") from None
     if "meta" in arrays and any(k.startswith("param/") for k in arrays):   # minivit.checkpoint's own files
         return "minivit", {k[len("param/"):]: v for k, v in arrays.items() if k.startswith("param/")}
@@ -543,7 +546,27 @@ def _read_zip(path, size):
                      f"(embedding/kernel, Transformer/...) nor timm's (a 4-D {PATCH_KEY}); keys: {sorted(keys)[:5]}")
 
 
+SAFETENSORS_FLOATS = ("F16", "BF16", "F32", "F64")   # the dtypes weights may have; BF16 is widened to float32
+
+
 def _read_safetensors(path):
+    """{name: array} of a .safetensors file: its JSON header read first, so that integer (quantised) or
+    boolean tensors are refused by name, and BF16 ones (NumPy has no bfloat16) are widened to float32."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        header_len = int.from_bytes(f.read(8), "little")
+        try:
+            header = json.loads(f.read(header_len))
+            header.pop("__metadata__", None)
+            dtypes = {name: entry["dtype"] for name, entry in header.items()}
+        except (ValueError, TypeError, KeyError, AttributeError) as e:
+            raise ValueError(f"{path!r}: a .safetensors file whose header cannot be read ({e})") from None
+    other = [f"{name} ({dtype})" for name, dtype in dtypes.items() if dtype not in SAFETENSORS_FLOATS]
+    if other:
+        raise ValueError(f"{path!r}: {len(other)} tensors are not floating-point ({', '.join(other[:3])}): weights "
+                         f"must be F16, BF16, F32 or F64 (a quantised or foreign file: convert it to float first)")
+    if "BF16" in dtypes.values():
+        return _read_bf16_safetensors(path, header, 8 + header_len, size)
     try:
         from safetensors.numpy import load_file
     except ImportError:
@@ -554,6 +577,27 @@ def _read_safetensors(path):
     except Exception as e:  # safetensors raises its own SafetensorError; truncated data lands here too
         raise ValueError(f"{path!r}: a .safetensors file that cannot be read, truncated or corrupt? "
                          f"({type(e).__name__}: {e})") from None
+
+
+def _read_bf16_safetensors(path, header, start, size):
+    """_read_safetensors for a file holding BF16 tensors: each read at its offsets (checked against its shape
+    and the file's size first), BF16 widened to float32 exactly (its 16 bits are float32's upper half)."""
+    kinds = {"F16": numpy.float16, "BF16": numpy.uint16, "F32": numpy.float32, "F64": numpy.float64}
+    arrays = {}
+    with open(path, "rb") as f:
+        for name, entry in header.items():
+            dtype = numpy.dtype(kinds[entry["dtype"]]).newbyteorder("<")
+            begin, end = entry["data_offsets"]
+            shape = tuple(entry["shape"])
+            if not 0 <= begin <= end <= size - start or end - begin != math.prod(shape) * dtype.itemsize:
+                raise ValueError(f"{path!r}: the tensor {name!r} ({entry['dtype']} {list(shape)}) has offsets "
+                                 f"{begin}..{end} that do not fit its shape or the file: truncated or corrupt")
+            f.seek(start + begin)
+            value = numpy.frombuffer(f.read(end - begin), dtype).reshape(shape)
+            if entry["dtype"] == "BF16":
+                value = (value.astype(numpy.uint32) << 16).view(numpy.float32)
+            arrays[name] = value.astype(value.dtype.newbyteorder("="))
+    return arrays
 
 
 def _read_torch(path):
@@ -593,7 +637,9 @@ def load_checkpoint_file(path, num_heads=None, img_size=None, gelu=None, num_cla
 def _from_minivit_checkpoint(path, params, num_heads, img_size, gelu, num_classes):
     """A checkpoint written by minivit.checkpoint (the trainer's): its config is in its metadata."""
     what = f"the minivit checkpoint {os.fspath(path)!r}"
-    config = ViTConfig.from_dict(load_checkpoint(path)["meta"]["config"])
+    meta = load_checkpoint(path)["meta"]
+    check_is_vit(path, meta)
+    config = ViTConfig.from_dict(meta["config"])
     if num_heads is not None and num_heads != config.num_heads:
         raise ValueError(f"num_heads={num_heads}, but {what} was saved with {config.num_heads}")
     if img_size is not None and dataclasses.replace(config, img_size=img_size).img_size != config.img_size:

@@ -17,14 +17,18 @@ import functools
 import gzip
 import hashlib
 import io
+import math
 import os
 import pickle
 import re
 import stat
 import tarfile
+import zlib
 from dataclasses import dataclass
 
 import numpy
+
+from .memory import check_fits
 
 try:  # what pickles use to rebuild an ndarray
     from numpy._core.multiarray import _reconstruct  # NumPy >= 2
@@ -39,6 +43,7 @@ except ImportError:
 
 CIFAR10_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"
 CIFAR10_ARCHIVE = "cifar-10-python.tar.gz"
+CIFAR10_ARCHIVE_SIZE = 170498071  # bytes of the official archive: the downloader fetches no more than this
 CIFAR10_FOLDER = "cifar-10-batches-py"  # what the archive extracts to
 CIFAR10_TRAIN_FILES = ["data_batch_1", "data_batch_2", "data_batch_3", "data_batch_4", "data_batch_5"]
 CIFAR10_TEST_FILE = "test_batch"
@@ -109,6 +114,16 @@ def _check_md5(raw, name, where, official):
         )
 
 
+CIFAR10_MAX_BYTES = 32_000_000  # a batch file is 31,035,704 bytes (10000 pickled 3072-byte images)
+
+
+def _check_cifar_size(size, where):
+    """Refuse a CIFAR-10 file larger than any official one before it is read into memory."""
+    if size > CIFAR10_MAX_BYTES:
+        raise ValueError(f"{where}: {size:,} bytes, and no CIFAR-10 file is larger than {CIFAR10_MAX_BYTES:,}: "
+                         f"a damaged or foreign file, not read; delete it and run data_scripts/download_cifar10.py")
+
+
 def _read_cifar_files(root, names):
     """The raw bytes of the CIFAR-10 files names, from root/cifar-10-batches-py/ or from the archive.
 
@@ -122,6 +137,7 @@ def _read_cifar_files(root, names):
             path = os.path.join(folder, name)
             if not os.path.isfile(path):
                 raise FileNotFoundError(f"CIFAR-10 file missing: {path}")
+            _check_cifar_size(os.path.getsize(path), path)
             with open(path, "rb") as f:
                 found[name] = (f.read(), path)
         return found
@@ -132,6 +148,7 @@ def _read_cifar_files(root, names):
             with tarfile.open(archive, "r:gz") as tar:
                 for member in tar:
                     if member.name in wanted and member.isfile():
+                        _check_cifar_size(member.size, f"{archive}:{member.name}")
                         found[wanted[member.name]] = (tar.extractfile(member).read(), f"{archive}:{member.name}")
         except (tarfile.TarError, OSError, EOFError) as err:
             raise ValueError(f"{archive}: not a readable tar.gz archive ({err})") from None
@@ -221,6 +238,12 @@ FASHION_MNIST_GZ_MD5 = {  # of the official .gz downloads (Fashion-MNIST README;
     "t10k-images-idx3-ubyte.gz": "bef4ecab320f06d8554ea6380940ec79",
     "t10k-labels-idx1-ubyte.gz": "bb300cfdad3c16e7a12a480ee83cd310",
 }
+FASHION_MNIST_GZ_SIZE = {  # bytes of the official .gz downloads: the downloader fetches no more than this
+    "train-images-idx3-ubyte.gz": 26421880,
+    "train-labels-idx1-ubyte.gz": 29515,
+    "t10k-images-idx3-ubyte.gz": 4422102,
+    "t10k-labels-idx1-ubyte.gz": 5148,
+}
 FASHION_MNIST_CLASSES = [
     "T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot",
 ]
@@ -241,14 +264,25 @@ def _find_idx_file(folder, name):
 
 
 def _read_idx_bytes(path, name, verify):
-    """The decompressed content of an IDX file (gzip or not), MD5-checked against the official value."""
+    """The decompressed content of an IDX file (gzip or not), MD5-checked against the official value.
+    The header is read first and no more than the size it states is ever decompressed or read, so a gzip
+    bomb (or a header claiming billions of images) is refused naming the size before it is allocated."""
+    header_len = 16 if "images" in name else 8          # magic, count (and rows, cols for images)
     try:
         with open(path, "rb") as f:
-            raw = f.read()
-        if raw[:2] == b"\x1f\x8b":  # the gzip magic number: decompress whatever the file is called
-            raw = gzip.decompress(raw)
-    except (OSError, EOFError) as err:
+            gzipped = f.read(2) == b"\x1f\x8b"   # the gzip magic number: decompress whatever the file is called
+        with (gzip.open(path, "rb") if gzipped else open(path, "rb")) as f:
+            head = f.read(header_len)
+            dims = [int.from_bytes(head[i:i + 4], "big") for i in range(4, len(head) - 3, 4)]
+            size = header_len + math.prod(dims) if len(head) == header_len else len(head)
+            check_fits(size, f"{path}: its header says {' x '.join(map(str, dims))} bytes of data, which",
+                       "a damaged or edited file: delete it and download Fashion-MNIST again")
+            raw = head + f.read(size - len(head) + 1)    # one byte more than the header states: a longer
+    except (OSError, EOFError, zlib.error) as err:      # file is refused below, never read to its end
         raise ValueError(f"{path}: could not read or decompress it ({err})") from None
+    if len(raw) > size:
+        raise ValueError(f"{path}: holds more than the {size:,} bytes its header states (a damaged file or a "
+                         f"decompression bomb): reading stopped there; delete it and download Fashion-MNIST again")
     if verify:
         _check_md5(raw, name, path, FASHION_MNIST_MD5)
     return raw

@@ -329,8 +329,15 @@ def exit_status(code):
 # --------------------------------------------------------------------------------------------------
 
 
-def check_global_batch(batch_size, world_size, grad_accum=1):
-    """b = B / R, or a ValueError when B does not divide by R (or b by grad_accum)."""
+def check_global_batch(batch_size, world_size, grad_accum=1, resumed=False):
+    """b = B / R, or a ValueError when B does not divide by R (or b by grad_accum). resumed: B is a resumed
+    run's own, which cannot change, so the advice is the numbers of ranks that divide it."""
+    ok = batch_size % world_size == 0 and (batch_size // world_size) % grad_accum == 0
+    if not ok and resumed:
+        counts = [r for r in range(1, batch_size + 1) if batch_size % r == 0 and (batch_size // r) % grad_accum == 0]
+        raise ValueError(f"the resumed run's batch size {batch_size} (grad_accum {grad_accum}) does not divide over "
+                         f"{world_size} ranks, and it cannot change on --resume: start it with mpiexec -n R for R in "
+                         f"{counts[:12]}")
     if batch_size % world_size:
         raise ValueError(f"the global batch size {batch_size} must divide by the number of ranks {world_size} "
                          f"(each rank takes B / R images): use a batch size of {world_size * max(1, batch_size // world_size)} "

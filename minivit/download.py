@@ -2,16 +2,18 @@
 
 Used by ``data_scripts/download_cifar10.py`` and ``data_scripts/download_fashion_mnist.py``.
 The rules it keeps:
-- a file is written under a temporary name in the destination folder and renamed only once its MD5
-  matches the official value, so a half-written or wrong file never sits under the real name;
+- a file is written to NAME.part in the destination folder and renamed only once its MD5 matches the
+  official value, so a half-written or wrong file never sits under the real name;
+- no more than the file's known size is downloaded, and no longer than a deadline;
 - a file already present with the right MD5 is not fetched again;
 - an archive is unpacked only if every member stays inside the destination folder.
 """
 
 import hashlib
 import os
+import shutil
 import tarfile
-import tempfile
+import time
 import urllib.error
 import urllib.request
 
@@ -38,19 +40,26 @@ def _check_md5_string(md5):
         raise ValueError(f"md5 must be a 32-character hex string, got {md5!r}")
 
 
-def download_file(url, dest, md5, timeout=60.0, progress=True):
+def download_file(url, dest, md5, size=None, timeout=60.0, deadline=3600.0, progress=True):
     """Fetch url into the file dest, keeping it only if its MD5 equals md5.
 
     url: http(s):// or file:// address. dest: path of the final file (its folder is created).
-    md5: the expected hex digest. Returns dest. Skips the download if dest exists with the right MD5.
-    Raises NetworkError when the URL cannot be reached, ValueError when the bytes have another MD5
-    (then nothing is left behind: neither dest nor the temporary file).
+    md5: the expected hex digest. size: the expected bytes, when known: a server that announces or sends
+    more is cut off there (a wrong or endless file never fills the disk). timeout: seconds one read may
+    wait; deadline: seconds the whole download may take (a server trickling bytes is given up on).
+    The bytes go to dest + ".part", renamed to dest only once the MD5 matches, and removed on any failure.
+    Returns dest. Skips the download if dest exists with the right MD5.
+    Raises NetworkError when the URL cannot be reached, is too slow or breaks off; ValueError when the
+    bytes have another MD5 or exceed size, or the disk has no room for them (nothing is left behind).
     """
     if not isinstance(url, str) or not url:
         raise TypeError(f"url must be a non-empty string, got {url!r}")
     if not isinstance(dest, (str, os.PathLike)):
         raise TypeError(f"dest must be a path (str or os.PathLike), got {type(dest).__name__}")
     _check_md5_string(md5)
+    for name, value in (("size", size), ("timeout", timeout), ("deadline", deadline)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
+            raise ValueError(f"{name} must be a number > 0 (or None), got {value!r}")
     dest = os.fspath(dest)
     md5 = md5.lower()
 
@@ -60,42 +69,65 @@ def download_file(url, dest, md5, timeout=60.0, progress=True):
 
     folder = os.path.dirname(os.path.abspath(dest))
     os.makedirs(folder, exist_ok=True)
-    # the temporary file lives in the destination folder, so the final rename is atomic
-    fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(dest) + ".", suffix=".part", dir=folder)
-    try:
-        digest = hashlib.md5()
-        with os.fdopen(fd, "wb") as out:
-            try:
-                response = urllib.request.urlopen(url, timeout=timeout)
-            except (urllib.error.URLError, OSError, ValueError) as err:
-                # URLError covers refused / unknown host / HTTP errors; ValueError an unknown scheme
-                raise NetworkError(f"could not open {url}: {getattr(err, 'reason', err)}") from err
-            with response:
-                total = response.headers.get("Content-Length") if response.headers else None
-                total = int(total) if total and total.isdigit() else None
-                bar = tqdm(total=total, unit="B", unit_scale=True, desc=os.path.basename(dest), disable=not progress)
-                with bar:
-                    while True:
-                        try:
-                            chunk = response.read(CHUNK)
-                        except OSError as err:  # connection dropped or timed out half-way
-                            raise NetworkError(f"download of {url} broke off: {err}") from err
-                        if not chunk:
-                            break
-                        out.write(chunk)
-                        digest.update(chunk)
-                        bar.update(len(chunk))
-        got = digest.hexdigest()
-        if got != md5:
-            raise ValueError(
-                f"{url}: downloaded bytes have md5 {got}, expected the official {md5}; "
-                f"the file was deleted, nothing was written to {dest}"
-            )
-        os.replace(tmp, dest)  # only now does the file appear under its real name
+    part = dest + ".part"    # in the destination folder, so the final rename is atomic; a run killed
+    try:                     # with SIGKILL leaves it, and the next run overwrites it
+        _fetch(url, part, md5, size, timeout, time.monotonic() + deadline if deadline else None, progress)
+        os.replace(part, dest)  # only now does the file appear under its real name
     finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+        if os.path.exists(part):
+            os.remove(part)
     return dest
+
+
+def _fetch(url, part, md5, size, timeout, give_up_at, progress):
+    """download_file's transfer: url's bytes into the file part, checked against size, the deadline and md5."""
+    try:
+        response = urllib.request.urlopen(url, timeout=timeout)
+    except (urllib.error.URLError, OSError, ValueError) as err:
+        # URLError covers refused / unknown host / HTTP errors; ValueError an unknown scheme
+        raise NetworkError(f"could not open {url}: {getattr(err, 'reason', err)}") from err
+    with response:
+        total = response.headers.get("Content-Length") if response.headers else None
+        total = int(total) if total and total.isdigit() else None
+        if size is not None and total is not None and total > size:
+            raise ValueError(f"{url}: the server announces {total:,} bytes, and the file is {size:,}: the wrong file "
+                             f"(or server); nothing was downloaded")
+        needed = total or size or 0
+        free = shutil.disk_usage(os.path.dirname(os.path.abspath(part))).free
+        if needed > free:
+            raise ValueError(f"{url}: {needed:,} bytes to download, and {os.path.dirname(os.path.abspath(part))} has "
+                             f"{free:,} bytes free: make room there (or choose another --root)")
+        digest, got = hashlib.md5(), 0
+        read = getattr(response, "read1", response.read)
+        bar = tqdm(total=total or size, unit="B", unit_scale=True, desc=os.path.basename(part)[:-5],
+                   disable=not progress)
+        with bar, open(part, "wb") as out:
+            while True:
+                if give_up_at is not None and time.monotonic() > give_up_at:
+                    raise NetworkError(f"download of {url} did not finish within its deadline ({got:,} bytes in); "
+                                       f"the server is too slow: try again later, or fetch the file by hand")
+                try:   # read1: what one receive brings (read would wait for a whole MiB from a trickling server)
+                    chunk = read(CHUNK)
+                except OSError as err:  # connection dropped or timed out half-way
+                    raise NetworkError(f"download of {url} broke off: {err}") from err
+                if not chunk:
+                    break
+                got += len(chunk)
+                if size is not None and got > size:
+                    raise ValueError(f"{url}: the server sent more than the file's {size:,} bytes: the wrong file "
+                                     f"(or server); stopped there and deleted what came")
+                try:
+                    out.write(chunk)
+                except OSError as err:  # the disk filled up after all (another program wrote to it)
+                    raise ValueError(f"could not write {part}: {err.strerror or err}; make room in its folder and "
+                                     f"run again") from None
+                digest.update(chunk)
+                bar.update(len(chunk))
+    if digest.hexdigest() != md5:
+        raise ValueError(
+            f"{url}: downloaded bytes have md5 {digest.hexdigest()}, expected the official {md5}; "
+            f"the file was deleted, nothing was written to {part[:-5]}"
+        )
 
 
 def _is_within(folder, path):

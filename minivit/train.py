@@ -53,7 +53,8 @@ from .checkpoint import (check_finite, load_checkpoint, remove_stale_temporaries
 from .data import DATASETS, Dataset, load_dataset, resize_images
 from .functional import GELU_KINDS, cross_entropy, cross_entropy_backward, cross_entropy_forward
 from .layers import POS_EMBED_KINDS
-from .model import DTYPES, ViT, ViTConfig, create_model, presets
+from .memory import check_fits, size_text
+from .model import DTYPES, ViT, ViTConfig, create_model, param_shapes, presets
 from .optim import SGD, AdamW, WarmupCosine, clip_grad_norm, default_no_decay
 from .plot import read_metrics
 
@@ -413,6 +414,12 @@ def build_model(cfg, data, resumed=None):
             raise ValueError(f"--init {cfg.init} builds the checkpoint's model, and these flags ask for another: "
                              f"{'; '.join(differ)}. Leave them out (only --img-size changes a checkpoint's model)")
         return model
+    if cfg.model in presets:          # weights, gradients and AdamW's two moments: 4 copies, before one is made
+        config = dataclasses.replace(presets[cfg.model], **overrides)
+        n = sum(math.prod(shape) for shape in param_shapes(config).values())
+        check_fits(4 * n * numpy.dtype(cfg.dtype or "float32").itemsize,
+                   f"the model ({n:,} parameters: weights, gradients, the optimizer's two moments)",
+                   "lower --embed-dim or --depth, or choose a smaller --model")
     return create_model(cfg.model, seed=cfg.seed, dtype=cfg.dtype, **overrides)
 
 
@@ -493,6 +500,15 @@ def announce_ops(model, optimizer, images, mean, std, dtype, forward=True):
 # --------------------------------------------------------------------------------------------------
 
 
+class SecondSignal(KeyboardInterrupt):
+    """A second Ctrl-C or SIGTERM: the run stops at once, even during its save (checkpoints are written
+    atomically, so the last one completed is whole). signum: the signal."""
+
+    def __init__(self, signum):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
 class _StopFlag:
     """Ctrl-C (SIGINT) or SIGTERM (what a cluster scheduler sends before it kills a job) sets the flag;
     the loop finishes its step, evaluates, saves a checkpoint and stops. A second signal interrupts at once."""
@@ -516,7 +532,7 @@ class _StopFlag:
 
     def _handle(self, signum, frame):
         if self.received:
-            raise KeyboardInterrupt
+            raise SecondSignal(signum)
         self.signum, self.received = signum, True
 
     def agree(self, world):
@@ -654,6 +670,10 @@ def check_out(cfg):
         raise NotADirectoryError(errno.ENOTDIR, f"--out cannot be created: {parent} is a file", out)
     check_not_in_use(out)
     held = [name for name in RUN_FILES[:3] if os.path.exists(os.path.join(out, name))]
+    if held and not (cfg.resume or cfg.overwrite) and "checkpoint.npz" not in held:
+        raise ValueError(f"--out {out} holds the start of a run that saved no checkpoint ({', '.join(held)}; "
+                         f"stopped before or during its first save): nothing to resume; replace it with "
+                         f"--overwrite, or choose another --out")
     if held and not (cfg.resume or cfg.overwrite):
         raise ValueError(f"--out {out} already holds a run ({', '.join(held)}): continue it with --resume, "
                          f"replace it with --overwrite, or choose another --out")
@@ -828,6 +848,9 @@ def resume_config(cfg):
     out = _resume_folder(cfg)
     check_not_in_use(out)
     ckpt_path = os.path.join(out, "checkpoint.npz")
+    if not os.path.exists(ckpt_path) and os.path.exists(os.path.join(out, "metrics.jsonl")):
+        raise FileNotFoundError(f"--resume: the run in {out} saved no checkpoint (stopped before or during its "
+                                f"first save): nothing to resume; start it again with --overwrite")
     if not os.path.exists(ckpt_path):
         raise FileNotFoundError(f"--resume: no checkpoint at {ckpt_path!r} (train into --out {out!r} first)")
     resumed = load_checkpoint(ckpt_path)
@@ -971,7 +994,7 @@ class Run:
     schedule: WarmupCosine      # the learning rate of each step
     steps_per_epoch: int
     total_steps: int
-    eval_steps: set             # evaluate, record and save after these steps (and at a Ctrl-C or SIGTERM)
+    eval_steps: object          # an EvalSteps: evaluate, record and save after these steps (and at a Ctrl-C or SIGTERM)
     given_model: bool = False   # a model passed to train(), not built from cfg
     world: object = None        # several ranks (mpiexec): their communicator (minivit/distributed.py), else None
     dp: object = None           # and the DataParallel that exchanges each step's gradients
@@ -1065,7 +1088,7 @@ def set_up(cfg, model=None, data=None):
         backend.set_backend(cfg.backend)
     world = distributed.init()                      # None for one process (no mpiexec): nothing below changes
     if world is not None:                           # each rank takes B / R images of every batch
-        distributed.check_global_batch(cfg.batch_size, world.world_size, cfg.grad_accum)
+        distributed.check_global_batch(cfg.batch_size, world.world_size, cfg.grad_accum, resumed is not None)
         if world.rank != 0:                         # rank 0 alone shows the progress bar
             cfg = dataclasses.replace(cfg, progress=False)
     steps_per_epoch = data.x_train.shape[0] // cfg.batch_size
@@ -1144,9 +1167,6 @@ def load_run_data(cfg, data=None):
     if cfg.out is not None and "{dataset}" in cfg.out:
         cfg = dataclasses.replace(cfg, out=cfg.out.replace("{dataset}", cfg.dataset))
         check_out(cfg)
-    if cfg.img_size is not None and data.image_shape[:2] != _pair(cfg.img_size):
-        data = dataclasses.replace(data, x_train=resize_images(data.x_train, _pair(cfg.img_size)),
-                                   x_test=resize_images(data.x_test, _pair(cfg.img_size)))
     if cfg.train_subset:
         if cfg.train_subset > data.x_train.shape[0]:
             raise ValueError(f"train_subset {cfg.train_subset} is more than the {data.x_train.shape[0]} training "
@@ -1154,6 +1174,10 @@ def load_run_data(cfg, data=None):
         n = cfg.train_subset
         data = dataclasses.replace(data, x_train=data.x_train[:n], y_train=data.y_train[:n],
                                    **({"text_train": data.text_train[:n]} if hasattr(data, "text_train") else {}))
+    if cfg.img_size is not None and data.image_shape[:2] != _pair(cfg.img_size):
+        check_run_memory(cfg, data)
+        data = dataclasses.replace(data, x_train=resize_images(data.x_train, _pair(cfg.img_size)),
+                                   x_test=resize_images(data.x_test, _pair(cfg.img_size)))
     if cfg.task != "clip" and data.num_classes < 2:
         where = f" in {os.path.join(cfg.data_dir, 'train')}" if cfg.dataset == "folder" and cfg.data_dir else ""
         raise ValueError(f"{data.name} has {data.num_classes} class{where} ({data.classes}): a classifier needs at "
@@ -1163,15 +1187,49 @@ def load_run_data(cfg, data=None):
     return cfg, data
 
 
+@dataclasses.dataclass(frozen=True)
+class EvalSteps:
+    """The steps after which the run evaluates and saves: after every `every` steps, or num_evals times spread
+    evenly, and always after the last. A rule answering `step in eval_steps`, not a set of steps, so that
+    --max-steps 1e12 --eval-every 1 costs no memory (a set of them was built: a raw MemoryError)."""
+    total: int               # the run's last step
+    every: int = 0           # evaluate after each multiple of this ...
+    num_evals: int = 0       # ... or after steps max(1, total * k // num_evals), k = 1 .. num_evals
+
+    def __contains__(self, step):
+        if step == self.total:
+            return True
+        if not 1 <= step < self.total:
+            return False
+        if not self.num_evals:
+            return step % self.every == 0
+        n, total = self.num_evals, self.total
+        k = -(-step * n // total)          # the first k with total * k // n >= step (the k's give increasing steps)
+        return (k <= n and total * k // n == step) or (step == 1 and total < n)   # max(1, ...): step 0 -> 1
+
+
+def check_run_memory(cfg, data):
+    """Before the images are resized to --img-size: the bytes the run will hold at least (the resized
+    images, and one block's attention weights for one batch on the CPU), refused with the figures and what
+    to change when they exceed the memory available (--img-size 20000 was a raw MemoryError)."""
+    H, W = _pair(cfg.img_size)
+    n, C = data.x_train.shape[0] + data.x_test.shape[0], data.x_train.shape[3]
+    images = n * H * W * C                                     # uint8 (N, H, W, C), train and test
+    P = cfg.patch_size or getattr(presets.get(cfg.model), "patch_size", None)
+    attention = 0
+    if P and cfg.task != "clip" and cfg.backend != "cupy":     # (B, nh, N, N) weights, kept for backward
+        tokens = (H // P) * (W // P) + 1
+        attention = cfg.batch_size * (cfg.num_heads or 1) * tokens ** 2 * numpy.dtype(cfg.dtype or "float32").itemsize
+    check_fits(images + attention, f"--img-size {cfg.img_size}: the {n:,} images resized ({size_text(images)}) "
+               f"and one block's attention for a batch of {cfg.batch_size} ({size_text(attention)})",
+               "lower --img-size (or --batch-size, --train-subset), or raise --patch-size")
+
+
 def evaluation_steps(cfg, total_steps, steps_per_epoch):
     """The steps after which the run evaluates and saves: cfg's cadence, and always the last."""
     if cfg.num_evals:      # e.g. 4 evaluations of 150 steps: after steps 37, 75, 112 and 150
-        steps = {max(1, total_steps * (i + 1) // cfg.num_evals) for i in range(cfg.num_evals)}
-    elif cfg.eval_every:
-        steps = set(range(cfg.eval_every, total_steps + 1, cfg.eval_every))
-    else:
-        steps = set(range(steps_per_epoch, total_steps + 1, steps_per_epoch))
-    return steps | {total_steps}
+        return EvalSteps(total_steps, num_evals=cfg.num_evals)
+    return EvalSteps(total_steps, every=cfg.eval_every or steps_per_epoch)
 
 
 def run_loop(run, callback=None):
@@ -1285,8 +1343,30 @@ def evaluate_and_save(run):
     return record
 
 
+def _summary_of_a_finished_run(run):
+    """A finished run resumed trains no step: its summary.json is kept as it is (rewritten, it said 0 img/s)
+    and returned; None when this run trained, or there is no readable summary to keep."""
+    path = None if run.cfg.out is None else os.path.join(run.cfg.out, "summary.json")
+    if run.step != run.start_step or run.step == 0 or path is None or not os.path.isfile(path):
+        return None
+    try:
+        with open(path) as f:
+            summary = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(summary, dict) or summary.get("steps") != run.step:
+        return None
+    if run.cfg.verbose:
+        print(f"the run in {run.cfg.out} had already finished its {run.step} steps: nothing trained, its summary "
+              f"kept (to train on, resume with a larger --max-steps or --epochs)", flush=True)
+    return summary
+
+
 def finish(run, stopped_by):
     """The run's summary, written to out with the curves; returns the TrainResult."""
+    kept = _summary_of_a_finished_run(run)
+    if kept is not None:
+        return TrainResult(run.model, run.history, kept, run.cfg.out)
     wall = time.perf_counter() - run.start_time
     last = run.history[-1] if run.history else {}
     summary = {"best_val_accuracy": run.best, "final_val_accuracy": last.get("val_acc"),
@@ -1364,9 +1444,37 @@ def _parser():
     return p
 
 
+def check_resume_flags(cfg, given):
+    """resume_config cannot tell a flag given with its default's value (--dataset cifar10) from no flag;
+    main can: such a flag that differs from the run's own setting is refused, as resume_config refuses the
+    rest. given: the names of the flags on the command line."""
+    fields = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+    path = os.path.join(_resume_folder(cfg), "checkpoint.npz")
+    try:                                   # the metadata alone; a file that cannot be read is resume_config's to name
+        with numpy.load(path, allow_pickle=False) as npz:
+            saved = json.loads(str(npz["meta"]))["extra"]["train_config"]
+        saved = {k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()}
+    except Exception:
+        return
+    fell_back = cfg.fallback and saved.get("dataset") != "cifar10"
+    refused = [f"{_flag(name)} {fields[name]!r} (the run's: {saved[name]!r})" for name in given
+               if name in saved and getattr(cfg, name) == fields[name] != saved[name]
+               and name not in RESUME_RUNTIME + RESUME_APPLIED and not (fell_back and name in ("dataset", "data_dir"))]
+    if refused:
+        raise ValueError(f"--resume continues the run in {os.path.dirname(path)} with its own settings, and these "
+                         f"differ from them: {'; '.join(refused)}; to change them, start a new run (another --out, "
+                         f"or --overwrite)")
+
+
 def main(argv=None):
-    cfg = TrainConfig(**vars(_parser().parse_args(argv)))
+    parser = _parser()
+    cfg = TrainConfig(**vars(parser.parse_args(argv)))
+    unset = object()                               # a default no flag can give: what is left is on the command line
+    parser.set_defaults(**{f.name: unset for f in dataclasses.fields(TrainConfig)})
+    given = [name for name, value in vars(parser.parse_args(argv)).items() if value is not unset]
     try:
+        if cfg.resume and cfg.out is not None:
+            check_resume_flags(cfg, given)
         result = train(cfg)
     except TrainingDiverged as err:
         print(f"error: {err}", file=sys.stderr)
@@ -1378,6 +1486,12 @@ def main(argv=None):
     except (ValueError, TypeError, RuntimeError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as err:   # a second signal (SecondSignal), or Ctrl-C before training began
+        signum = getattr(err, "signum", signal.SIGINT)
+        kept = "" if cfg.out is None else (f"; {os.path.join(cfg.out, 'checkpoint.npz')}, if there is one, is whole "
+                                           f"(written atomically): continue from it with --resume")
+        print(f"error: {signal.Signals(signum).name}: stopped at once{kept}", file=sys.stderr)
+        return 128 + signum
     s = result.summary
     if s["final_val_accuracy"] is not None:
         print(f"done: {s['steps']} steps in {s['wall_seconds']:.0f} s ({s['images_per_second']:.0f} img/s); "
