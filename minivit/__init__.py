@@ -14,6 +14,7 @@ time they are named.
 import importlib
 
 from . import _blas_env  # noqa: F401  (first: a setting NumPy's BLAS reads when NumPy is imported)
+from . import _moved  # (second: installs the old import paths of modules that moved into a subpackage)
 from . import amp, backend, checkpoint, conv, convert, functional, kernels, layers, model, ops, optim  # noqa: F401
 from .backend import (asarray, backend_module, get_array_module, get_backend, gpu_available, set_backend,
                       to_numpy)
@@ -38,10 +39,10 @@ _LAZY = ("augment", "captions", "check", "clip", "clip_train", "data", "distribu
 def __getattr__(name):
     """``minivit.train`` and the other modules of _LAZY: imported when first named (the import then
     sets the attribute, so this runs once per module)."""
-    if name in _LAZY:
+    if name in _LAZY or name in _moved.old_names():
         return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'minivit' has no attribute {name!r}")
 
 
 def __dir__():
-    return sorted(set(globals()) | set(_LAZY))
+    return sorted(set(globals()) | set(_LAZY) | set(_moved.old_names()))

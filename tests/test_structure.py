@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 import minivit
+from minivit._moved import MOVED
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "minivit"
@@ -24,6 +25,8 @@ PACKAGE = ROOT / "minivit"
 # each other. A new file goes in here on purpose (the test fails until it does).
 LEVELS = [
     ("_blas_env",),                 # a setting NumPy's BLAS reads when NumPy loads: imports nothing of minivit
+    ("_moved",),                    # old import paths of modules that moved into a subpackage: imports only importlib
+    ("memory",),                    # bytes available, checked before a reader allocates: imports nothing of minivit
     ("backend",),                   # NumPy or CuPy: the only module that knows CuPy
     ("functional",),                # the math: pure forward/backward pairs
     ("kernels",),                   # the fast kernels, each named like the pair it replaces
@@ -47,52 +50,76 @@ LEVEL = {name: i for i, names in enumerate(LEVELS) for name in names}
 PACKAGE_LEVEL = len(LEVELS)         # ``import minivit`` from inside it: the package imports everything
 
 
-def minivit_imports(path):
+def module_name(path):
+    """minivit/fast/cpu.py -> "fast.cpu"; a subpackage's __init__.py is the subpackage: "fast"."""
+    parts = list(path.relative_to(PACKAGE).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def minivit_imports(path, package=PACKAGE):
     """(line, module) for every import of a minivit module in the file: `from . import x`, `from .x import y`,
-    `from minivit.x import y`, `import minivit.x`; "minivit" for the package itself."""
+    `from ..x import y`, `from minivit.x import y`, `import minivit.x.y`, as a dotted name below minivit
+    ("fast.cpu"), the longest that is a module or subpackage; "minivit" for the package itself."""
+    rel = path.resolve().relative_to(package.resolve()) if path.resolve().is_relative_to(package.resolve()) else None
+    here = list(rel.parts[:-1]) if rel is not None else []      # the file's own subpackage, [] at the top
+    known = {module_name(p) for p in modules()}
+
+    def longest(dotted):
+        parts = dotted.split(".")
+        for n in range(len(parts), 0, -1):
+            if ".".join(parts[:n]) in known:
+                return ".".join(parts[:n])
+        return parts[0]
+
     found = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.ImportFrom):
-            if node.level > 1:
-                raise AssertionError(f"{path.name}:{node.lineno}: minivit has no subpackages to import from")
-            if node.level == 1:
-                base = node.module
+            if node.level:
+                up = here[:len(here) - (node.level - 1)] if node.level - 1 <= len(here) else None
+                if up is None:
+                    raise AssertionError(f"{path.name}:{node.lineno}: a relative import above minivit")
+                base = ".".join(up + ([node.module] if node.module else []))
             elif node.module == "minivit" or (node.module or "").startswith("minivit."):
-                base = node.module[len("minivit."):] if node.module != "minivit" else None
+                base = node.module[len("minivit."):] if node.module != "minivit" else ""
             else:
                 continue
-            if base is None:        # from . import a, b   /   from minivit import a, b
-                found += [(node.lineno, alias.name) for alias in node.names]
-            else:
-                found.append((node.lineno, base.split(".")[0]))
+            for alias in node.names:                    # `from .fast import cpu`: cpu may be a module
+                full = f"{base}.{alias.name}" if base else alias.name
+                found.append((node.lineno, longest(full) if full in known or not base else longest(base)))
         elif isinstance(node, ast.Import):
             for alias in node.names:
                 if alias.name == "minivit":
                     found.append((node.lineno, "minivit"))
                 elif alias.name.startswith("minivit."):
-                    found.append((node.lineno, alias.name.split(".")[1]))
-    return found
+                    found.append((node.lineno, longest(alias.name[len("minivit."):])))
+    return sorted(set(found), key=found.index)
 
 
 def modules():
-    return sorted(p for p in PACKAGE.glob("*.py") if p.stem != "__init__")
+    """Every module of the package (subpackages' files too), but not the package's own __init__.py."""
+    return sorted(p for p in PACKAGE.rglob("*.py") if p != PACKAGE / "__init__.py" and "__pycache__" not in p.parts)
 
 
 def test_every_module_has_a_level():
-    missing = [p.name for p in modules() if p.stem not in LEVEL]
+    missing = [module_name(p) for p in modules() if module_name(p) not in LEVEL]
     assert not missing, f"place {missing} in LEVELS at the top of tests/test_structure.py"
 
 
 def test_imports_run_one_way():
     upward = []
     for path in modules():
-        here = path.stem
+        here = module_name(path)
+        where = path.relative_to(PACKAGE)
         for line, there in minivit_imports(path):
+            if there == here or (here.startswith(there + ".") and path.name == "__main__.py"):
+                continue                      # a subpackage's __main__ runs the subpackage it sits in
             level = PACKAGE_LEVEL if there == "minivit" else LEVEL.get(there)
             if level is None:
-                upward.append(f"minivit/{path.name}:{line} imports {there!r}, which is not in LEVELS")
+                upward.append(f"minivit/{where}:{line} imports {there!r}, which is not in LEVELS")
             elif level >= LEVEL[here]:
-                upward.append(f"minivit/{path.name}:{line}: {here} (level {LEVEL[here]}) imports {there} "
+                upward.append(f"minivit/{where}:{line}: {here} (level {LEVEL[here]}) imports {there} "
                               f"(level {level}), which is not below it")
     assert not upward, "imports that do not run one way:\n  " + "\n  ".join(upward)
 
@@ -102,6 +129,24 @@ def test_the_checker_sees_imports_inside_functions(tmp_path):
     source.write_text("from . import functional as F\n\ndef f():\n    from .model import ViT\n"
                       "    import minivit.train\n    from minivit import convert, data\n")
     assert minivit_imports(source) == [(1, "functional"), (4, "model"), (5, "train"), (6, "convert"), (6, "data")]
+
+
+def test_the_checker_reads_subpackages(tmp_path):
+    """In minivit/sub/a.py, `.b` is sub.b, `..layers` is layers, and `from . import b` names the module sub.b."""
+    package = tmp_path / "minivit"
+    (package / "sub").mkdir(parents=True)
+    for name in ("__init__.py", "layers.py", "sub/__init__.py", "sub/b.py"):
+        (package / name).write_text("")
+    source = package / "sub" / "a.py"
+    source.write_text("from . import b\nfrom .b import f\nfrom .. import layers\nfrom ..layers import Linear\n"
+                      "import minivit.sub.b\n")
+    global PACKAGE
+    saved, PACKAGE = PACKAGE, package
+    try:
+        assert minivit_imports(source, package) == [(1, "sub.b"), (2, "sub.b"), (3, "layers"), (4, "layers"),
+                                                   (5, "sub.b")]
+    finally:
+        PACKAGE = saved
 
 
 # --------------------------------------------------------------------------------------------------
@@ -120,6 +165,26 @@ def test_every_module_is_an_attribute(name):
     module = getattr(minivit, name)
     assert isinstance(module, types.ModuleType) and module.__name__ == f"minivit.{name}"
     assert name in dir(minivit)
+
+
+def test_a_moved_module_keeps_its_old_import_path(monkeypatch):
+    """An entry of minivit._moved.MOVED makes the old name the same module object as the new one, as an
+    import, a `from ... import`, and an attribute of the package."""
+    from minivit import _moved
+    monkeypatch.setitem(_moved.MOVED, "minivit.old_math_for_test", "minivit.functional")
+    monkeypatch.delitem(sys.modules, "minivit.old_math_for_test", raising=False)
+    import minivit.old_math_for_test as old
+    from minivit.old_math_for_test import cross_entropy
+    assert old is minivit.functional and cross_entropy is minivit.functional.cross_entropy
+    assert minivit.old_math_for_test is minivit.functional and "old_math_for_test" in dir(minivit)
+    monkeypatch.delattr(minivit, "old_math_for_test")
+    monkeypatch.delitem(sys.modules, "minivit.old_math_for_test")
+
+
+@pytest.mark.parametrize("old", sorted(MOVED))
+def test_every_old_import_path_resolves(old):
+    new = importlib.import_module(old)
+    assert new.__name__ == MOVED[old]
 
 
 def test_gradcheck_is_the_function_and_unknown_names_are_refused():
