@@ -435,6 +435,14 @@ class ViT(Classifier):
         head_in = c.embed_dim if c.representation_size is None else c.representation_size
         self.head = Linear(head_in, c.num_classes, bias=c.head_bias, rng=rng, dtype=dtype)
 
+    @classmethod
+    def from_pretrained(cls, path, **kwargs):
+        """ViT.from_pretrained(path, num_classes=None, img_size=None, ...), the spelling transformers users
+        know: the same call as minivit.from_pretrained (minivit/convert.py; see it for every argument), which
+        returns a ViT. The loaders sit above the model, so convert is imported here, when the method runs."""
+        from .convert import from_pretrained    # at call time: convert imports this module
+        return from_pretrained(path, **kwargs)
+
     def stages(self):
         """(name, layer) in forward order; backward runs them in reverse."""
         stages = [("patch_embed", self.patch_embed), ("pos_embed", self.pos_embed)]

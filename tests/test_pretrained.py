@@ -207,6 +207,21 @@ def test_a_minivit_checkpoint_is_a_starting_point_too(tmp_path):
     assert new.config.num_classes == 2 and new.config.grid_size == (8, 8)
 
 
+def test_vit_from_pretrained_is_minivit_from_pretrained(tmp_path):
+    """minivit.ViT.from_pretrained (transformers' spelling) gives the model minivit.from_pretrained gives."""
+    checkpoint = pytest.importorskip("minivit.checkpoint")
+    model = perturbed(tiny())
+    checkpoint.save_checkpoint(tmp_path / "run.npz", model)
+    for kwargs in ({}, {"num_classes": 2, "img_size": 32}):
+        ours = minivit.ViT.from_pretrained(tmp_path / "run.npz", dtype="float64", verbose=False, **kwargs)
+        theirs = minivit.from_pretrained(tmp_path / "run.npz", dtype="float64", verbose=False, **kwargs)
+        assert type(ours) is minivit.ViT and ours.config == theirs.config
+        same_params(ours, theirs)
+    x = np.random.default_rng(0).standard_normal((2, *model.config.img_size, 3))
+    again = minivit.ViT.from_pretrained(tmp_path / "run.npz", dtype="float64", verbose=False)
+    np.testing.assert_array_equal(logits_of(again, x), logits_of(model, x))
+
+
 def test_a_minivit_checkpoint_with_registers_loads_and_resizes(tmp_path):
     checkpoint = pytest.importorskip("minivit.checkpoint")
     model = perturbed(tiny(num_registers=2))
