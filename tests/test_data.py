@@ -453,7 +453,9 @@ def test_shapes_class_is_decided_by_shape_not_colour():
 
 
 def test_shapes_default_size_is_fast():
-    """12000 images in under 3 s of CPU time (process time: other jobs on a shared machine don't count)."""
+    """12000 images in under 6 s of CPU time (process time: other jobs on a shared machine count only through
+    the caches they share; ~1.1-1.6 s measured at a load average of 8.5 on 2 cores, 2026-12-05). It guards
+    against a per-pixel Python loop (100x slower), not against a few percent: speed lives in benchmarks/."""
     from minivit.data import _drawn_shapes
 
     _drawn_shapes.cache_clear()        # draw them, not read them from the cache of an earlier test
@@ -461,7 +463,7 @@ def test_shapes_default_size_is_fast():
     (x, _), (xt, _) = make_shapes()
     elapsed = time.process_time() - start
     assert x.shape[0] + xt.shape[0] == 12000
-    assert elapsed < 3.0, f"make_shapes took {elapsed:.2f} s of CPU time for 12000 images"
+    assert elapsed < 6.0, f"make_shapes took {elapsed:.2f} s of CPU time for 12000 images"
 
 
 def test_lines_tiles_are_equal_along_the_class_direction_only():
