@@ -88,7 +88,7 @@ def torch_resnet(model, x):
         return TF.relu(h) if act else h
 
     h = conv_norm(x, "stem.", 1, True)
-    for name, block in model.blocks:
+    for name, block in [(n, b) for n, b in model.stages() if n.startswith("stages.")]:   # the residual blocks
         stride = block.conv1.stride
         w1, w2 = P[name + ".conv1.weight"], P[name + ".conv2.weight"]
         G = Cv.groups_for(w1.shape[0])
