@@ -44,7 +44,14 @@ LEVELS = [
     ("clip_train",),                # CLIP's task for the trainer: its data, batches, step (on R ranks too), evaluation
     ("convert",),                   # published checkpoints (timm, JAX) and from_pretrained: above the model
     ("viz", "plot"),                # pictures: attention maps and patches, training curves
-    ("train", "predict", "check"),  # what a person runs: the trainer and the other command lines
+    ("train", "predict"),           # what a person runs: the trainer and the prediction command line
+    ("check.report",),              # minivit.check's rows, table and diagnoses; replaced()
+    ("check.compare",),             # the comparisons every check is made of; the textbook forwards
+    ("check.walk", "check.overfit"),  # the model walk (run_model); a tiny ViT overfit on one batch
+    ("check.ops",),                 # one check per op, OPS, run (the "model" op walks its layers)
+    ("check.command",),             # python -m minivit.check's argument parsing and output
+    ("check",),                     # check/__init__.py: the public API, gathered from the modules above
+    ("check.__main__",),            # python -m minivit.check
 ]
 LEVEL = {name: i for i, names in enumerate(LEVELS) for name in names}
 PACKAGE_LEVEL = len(LEVELS)         # ``import minivit`` from inside it: the package imports everything
