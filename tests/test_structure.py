@@ -33,7 +33,8 @@ LEVELS = [
     ("ops_report",),                # what each layer of a model ran, recorded (ops.report(model) calls it)
     ("ops",),                       # the table that chooses, per op, between functional and kernels
     ("layers", "amp"),              # the building blocks over the pairs; mixed precision's loss scaler
-    ("conv", "layer_examples"),     # convolution pairs and layers...; layers a student might write, worked
+    ("conv", "embeddings", "layer_examples"),  # convolution pairs and layers...; how an image becomes tokens
+                                    # (PatchEmbed, PosEmbed, GridPosEmbed, Embedding); layers a student might write
     ("gradcheck",),                 # checks any layer's backward against central differences
     ("model",),                     # ViTConfig, param_shapes, flops, Classifier, ViT, trace, presets
     ("hf",),                        # Hugging Face transformers folders (ViT, CLIP): below convert and clip, which call it
@@ -161,7 +162,7 @@ def test_the_checker_reads_subpackages(tmp_path):
 # --------------------------------------------------------------------------------------------------
 
 
-MODULES = ["amp", "augment", "backend", "checkpoint", "conv", "convert", "data", "download", "functional",
+MODULES = ["amp", "augment", "backend", "checkpoint", "conv", "convert", "data", "download", "embeddings", "functional",
            "kernels", "layers", "model", "optim", "plot", "predict", "resnet", "stats", "train", "viz"]
 
 
@@ -229,3 +230,14 @@ def test_import_minivit_stays_light():
             f"print(' '.join(m for m in {heavy!r} if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.split() == [], f"import minivit imported {out.stdout.split()}"
+
+
+def test_a_layer_moved_to_embeddings_says_where_it_went():
+    """PatchEmbed, PosEmbed... left layers.py for embeddings.py (which builds on it, so layers cannot
+    re-export them): the old name raises, naming the new place."""
+    for name in minivit.layers.MOVED_TO_EMBEDDINGS:
+        assert hasattr(minivit.embeddings, name), name
+        with pytest.raises(AttributeError, match=f"{name} moved to minivit.embeddings: use minivit.embeddings.{name}"):
+            getattr(minivit.layers, name)
+    with pytest.raises(AttributeError, match="has no attribute 'Linaer'"):
+        minivit.layers.Linaer

@@ -6,6 +6,7 @@ import time
 
 import numpy as np
 
+from .. import embeddings as E
 from .. import functional as F
 from .. import kernels
 from .. import layers as L
@@ -13,26 +14,9 @@ from ..backend import asarray, backend_of, get_array_module, host_rng, to_numpy
 from ..gradcheck import PairLayer
 from ..model import ViT, ViTConfig
 from ..optim import SGD, AdamW
-from .compare import (
-    TOKENS,
-    _attention,
-    _block,
-    _first_wrong_in_backward,
-    _forward_row,
-    _gradient_rows,
-    _kernel_rows,
-    _layernorm,
-    _linear,
-    _mlp,
-    _pos_embed,
-    _raised,
-    _random,
-    _randomise,
-    _Stages,
-    _sub,
-    _textbook_differs,
-    _vit,
-)
+from .compare import (TOKENS, _attention, _block, _first_wrong_in_backward, _forward_row, _gradient_rows, _kernel_rows,
+                      _layernorm, _linear, _mlp, _pos_embed, _raised, _random, _randomise, _Stages, _sub,
+                      _textbook_differs, _vit)
 from .report import TOL_KERNEL, TOL_SAME, Report, Row
 from .walk import _walk_hint, walk_rows
 
@@ -44,7 +28,7 @@ B, N = 3, 5
 
 
 def check_patch_embed(rng, use_kernels):
-    layer = _randomise(L.PatchEmbed((8, 12), 4, 3, 6, dtype="float64"), rng)
+    layer = _randomise(E.PatchEmbed((8, 12), 4, 3, 6, dtype="float64"), rng)
     x = _random(rng, (B, 8, 12, 3))                                             # (B, H, W, C)
     rows = [_forward_row("patch_embed", "forward: layers.PatchEmbed vs functional", layer.forward(x),
                          _linear(_sub(layer.params, "proj."), F.im2patch(x, 4)))]
@@ -180,7 +164,7 @@ def check_block(rng, use_kernels):
 
 
 def check_pos_embed(rng, use_kernels):
-    layer = _randomise(L.PosEmbed(6, 8, class_token=True, dtype="float64"), rng)
+    layer = _randomise(E.PosEmbed(6, 8, class_token=True, dtype="float64"), rng)
     x = _random(rng, (B, 6, 8))
     rows = [_forward_row("pos_embed", "forward: layers.PosEmbed vs functional", layer.forward(x), _pos_embed(layer.params, x))]
     return rows + _gradient_rows("pos_embed", layer, x, factors={"B": B},

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .. import embeddings as E
 from .. import functional as F
 from .. import layers as L
 from ..backend import asarray, host_rng, is_array, to_numpy
@@ -119,7 +120,7 @@ def _textbook(layer, x):
                                                                     layer.params["bias"], layer.eps)[0]),
              (L.Linear, "Linear", lambda: _linear(layer.params, x)),
              (L.GELU, "GELU", lambda: F.gelu_forward(x, layer.approximate)[0]),
-             (L.PatchEmbed, "PatchEmbed", lambda: _linear(_sub(layer.params, "proj."),
+             (E.PatchEmbed, "PatchEmbed", lambda: _linear(_sub(layer.params, "proj."),
                                                           F.im2patch(x, layer.patch_size))))
     for cls, op, forward in kinds:
         if isinstance(layer, cls):
