@@ -6,10 +6,12 @@ import time
 
 import numpy as np
 
+from .. import conv
 from .. import embeddings as E
 from .. import functional as F
 from .. import kernels
 from .. import layers as L
+from ..conv import ConvStem
 from ..backend import asarray, backend_of, get_array_module, host_rng, to_numpy
 from ..gradcheck import PairLayer
 from ..model import ViT, ViTConfig
@@ -70,8 +72,8 @@ def check_layernorm(rng, use_kernels):
                                  refs={"dx": {"xhat": xhat}})
 
 
-def _check_gelu(approximate, rng, use_kernels):
-    op = f"gelu_{approximate}"
+def _check_gelu(approximate, rng, use_kernels, op=None):
+    op = op or f"gelu_{approximate}"
     layer = L.GELU(approximate)
     x = _random(rng, (B, N, 8), scale=2.0)
     rows = [_forward_row(op, "forward: layers.GELU vs functional", layer.forward(x),
@@ -88,6 +90,11 @@ def check_gelu_erf(rng, use_kernels):
 
 def check_gelu_tanh(rng, use_kernels):
     return _check_gelu("tanh", rng, use_kernels)
+
+
+def check_quick_gelu(rng, use_kernels):
+    """OpenAI CLIP's x sigmoid(1.702 x). Its kernel is not compared: the gelu rows above do that for the kernel."""
+    return _check_gelu("quick", rng, False, op="quick_gelu")
 
 
 def check_softmax(rng, use_kernels):
@@ -138,6 +145,33 @@ def check_attention(rng, use_kernels):
                                  axes={"dq": heads, "dk": heads, "dv": heads}, alternatives=alternatives)
 
 
+def check_masked_attention(rng, use_kernels):
+    """The core with an additive causal mask (CLIP's text tower): softmax(q k^T / sqrt(hs) + mask) v, by hand
+    in NumPy, and its dq, dk, dv by central differences with the mask held fixed."""
+    nh, hs = NH, HS
+    D = nh * hs
+    qkv = _random(rng, (B, N, 3 * D))                                           # (B, N, 3D)
+    mask = F.causal_mask(qkv)                                                   # (N, N): -inf above the diagonal
+    heads = ("B", "N", "head", "hs")
+    q, k, v = (to_numpy(qkv).reshape(B, N, 3, nh, hs)[:, :, i].transpose(0, 2, 1, 3) for i in range(3))
+    scores = q @ k.swapaxes(-1, -2) / math.sqrt(hs) + to_numpy(mask)           # (B, nh, N, N)
+    P = np.exp(scores - scores.max(-1, keepdims=True))
+    P /= P.sum(-1, keepdims=True)
+    expected = (P @ v).transpose(0, 2, 1, 3).reshape(B, N, D)                   # (B, N, D)
+
+    def split(dqkv):                                                            # (B, N, 3D) -> dq, dk, dv
+        parts = to_numpy(dqkv).reshape(B, N, 3, nh, hs)
+        return {"dq": parts[:, :, 0], "dk": parts[:, :, 1], "dv": parts[:, :, 2]}
+
+    rows = [_forward_row("masked_attention", "forward: functional.attention_forward(mask) vs softmax(+ mask) by hand",
+                         F.attention_forward(qkv, nh, mask)[0], expected, axes=("B", "N", "D"),
+                         why="differs: is the mask added to the scores before the softmax?")]
+    core = PairLayer(lambda qkv: F.attention_forward(qkv, nh, mask),
+                     lambda dout, cache: F.attention_backward(dout, cache))
+    return rows + _gradient_rows("masked_attention", core, qkv, split_input=split, factors=ATTENTION_FACTORS,
+                                 axes={"dq": heads, "dk": heads, "dv": heads})
+
+
 def check_attention_layer(rng, use_kernels):
     """layers.Attention: the packed qkv projection, the core, the output projection."""
     layer = _randomise(L.Attention(NH * HS, NH, dtype="float64"), rng, 0.2)
@@ -171,6 +205,66 @@ def check_pos_embed(rng, use_kernels):
                                  axes={"dx": TOKENS, "dcls_token": ("1", "1", "D"), "dpos_embed": ("1", "N+1", "D")})
 
 
+def check_grid_pos_embed(rng, use_kernels):
+    """embeddings.GridPosEmbed, "learned2d" (a row table and a column table) and "sincos2d" (fixed), with a
+    class token: x + pos, then [x_class; x]."""
+    (gh, gw), D = (2, 4), 8                                                     # gw is not B: 1/gw is told apart
+    x = _random(rng, (B, gh * gw, D))                                           # (B, N, D)
+    rows = []
+    for kind in ("learned2d", "sincos2d"):
+        layer = _randomise(E.GridPosEmbed((gh, gw), D, kind, class_token=True, dtype="float64"), rng)
+        p, xp = layer.params, get_array_module(x)
+        if kind == "learned2d":                                                 # patch (r, c) gets [row_r | col_c]
+            pos = xp.concatenate([xp.repeat(p["pos_embed_row"][0], gw, axis=0),
+                                  xp.tile(p["pos_embed_col"][0], (gh, 1))], axis=-1)[None]     # (1, N, D)
+        else:
+            pos = E.sincos2d_table((gh, gw), D, dtype="float64")                 # (1, N, D)
+        expected = xp.concatenate([xp.broadcast_to(p["cls_token"], (B, 1, D)), x + pos], axis=1)  # (B, N+1, D)
+        rows.append(_forward_row("grid_pos_embed", f"{kind}: forward vs x + pos, the class token first",
+                                 layer.forward(x), expected))
+        for r in _gradient_rows("grid_pos_embed", layer, x, factors={"B": B, "gh": gh, "gw": gw},
+                                axes={"dx": TOKENS, "dcls_token": ("1", "1", "D")}):
+            r.what = f"{kind}: {r.what}"
+            rows.append(r)
+    return rows
+
+
+class _TokenIds:
+    """embeddings.Embedding seen as a layer of a float input that it ignores: its input, token ids, is held
+    fixed (integers have no gradient), and only its weight's gradient is checked."""
+
+    def __init__(self, layer, ids):
+        self.layer, self.ids = layer, ids
+        self.params, self.grads = layer.params, layer.grads
+
+    def forward(self, x):
+        return self.layer.forward(self.ids)
+
+    def backward(self, dout):
+        return self.layer.backward(dout)
+
+    def train(self, mode=True):
+        self.layer.train(mode)
+        return self
+
+    def zero_grad(self):
+        self.layer.zero_grad()
+
+
+def check_embedding(rng, use_kernels):
+    """embeddings.Embedding: ids (B, N) -> rows of weight (V, D). Some ids repeat, so their rows' gradient
+    is a sum (dweight[ids] += dout would keep only one of them)."""
+    V, D = 7, 4
+    layer = _randomise(E.Embedding(V, D, dtype="float64"), rng)
+    ids = asarray(np.array([[1, 3, 3, 0, 6], [2, 2, 2, 5, 1], [6, 0, 4, 3, 3]]))   # (B, N) with repeats
+    onehot = np.eye(V)[to_numpy(ids)]                                           # (B, N, V)
+    rows = [_forward_row("embedding", "forward: embeddings.Embedding vs onehot(ids) @ weight", layer.forward(ids),
+                         onehot @ to_numpy(layer.params["weight"]))]
+    probe = asarray(np.zeros(1), dtype="float64")                                # a placeholder: ids are fixed
+    return rows + _gradient_rows("embedding", _TokenIds(layer, ids), probe, check_input=False,
+                                 axes={"dweight": ("V", "D")})
+
+
 def check_pool(rng, use_kernels):
     x = _random(rng, (B, N, 8))
     rows = []
@@ -182,6 +276,27 @@ def check_pool(rng, use_kernels):
             r.what = f"{mode}: {r.what}"
             rows.append(r)
     return rows
+
+
+def _conv_stem(layer, x):
+    """ConvStem's forward composed from conv.py's pairs: conv, GroupNorm, ReLU per stage, flatten, proj."""
+    for stage in layer.stages:
+        c, g = stage.conv, stage.norm
+        x = conv.conv2d_forward(x, c.params["weight"], c.params.get("bias"), c.stride, c.padding)[0]
+        x = conv.relu_forward(conv.groupnorm_forward(x, g.params["weight"], g.params["bias"], g.num_groups,
+                                                     g.eps)[0])[0]                # (B, h, w, c)
+    Bx, h, w, c = x.shape
+    return _linear(_sub(layer.params, "proj."), x.reshape(Bx, h * w, c))        # (B, N, D)
+
+
+def check_conv_stem(rng, use_kernels):
+    """conv.ConvStem, the hybrid's patch embedding (paper 3.1): 3x3 conv stages, GroupNorm, ReLU, 1x1 patches."""
+    layer = _randomise(ConvStem(3, (4, 6), 8, dtype="float64"), rng, 0.3)
+    x = _random(rng, (B, 8, 8, 3))                                              # (B, H, W, C)
+    rows = [_forward_row("conv_stem", "forward: conv.ConvStem vs conv.py's pairs", layer.forward(x),
+                         _conv_stem(layer, x))]
+    return rows + _gradient_rows("conv_stem", layer, x, max_checks=30, axes={"dx": ("B", "H", "W", "C")},
+                                 factors={"B": B})
 
 
 def check_head(rng, use_kernels):
@@ -353,13 +468,18 @@ OPS = {
     "layernorm": (check_layernorm, "layers.LayerNorm: functional.layernorm_* (and kernels.layernorm_*)"),
     "gelu_erf": (check_gelu_erf, "layers.GELU('erf'): functional.gelu_* (and kernels.gelu_*)"),
     "gelu_tanh": (check_gelu_tanh, "layers.GELU('tanh'): functional.gelu_* (and kernels.gelu_*)"),
+    "quick_gelu": (check_quick_gelu, "layers.GELU('quick'), CLIP's x sigmoid(1.702 x): functional.gelu_*"),
     "softmax": (check_softmax, "functional.softmax_* (and kernels.softmax_*)"),
     "attention": (check_attention, "functional.attention_*: softmax(q k^T / sqrt(hs)) v, its dq, dk, dv "
                                    "(and kernels.attention_*)"),
+    "masked_attention": (check_masked_attention, "functional.attention_* with a causal mask (CLIP's text tower)"),
     "attention_layer": (check_attention_layer, "layers.Attention: qkv projection, the core, proj"),
     "mlp": (check_mlp, "layers.MLP: fc1, GELU, fc2"),
     "block": (check_block, "layers.Block: the pre-norm residual block, Eqs. 2-3"),
     "pos_embed": (check_pos_embed, "layers.PosEmbed: the class token and the position embeddings"),
+    "grid_pos_embed": (check_grid_pos_embed, "embeddings.GridPosEmbed: 'learned2d' and 'sincos2d', the class token"),
+    "embedding": (check_embedding, "embeddings.Embedding: token ids -> rows of the table (repeated ids add)"),
+    "conv_stem": (check_conv_stem, "conv.ConvStem: the hybrid's conv stages, GroupNorm, ReLU, 1x1 patches"),
     "pool": (check_pool, "layers.Pool: 'cls' and 'gap'"),
     "head": (check_head, "the last stages: norm, pool, pre_logits (functional.tanh_*), head"),
     "cross_entropy": (check_cross_entropy, "functional.cross_entropy_*, with label smoothing 0.1"),
@@ -367,7 +487,7 @@ OPS = {
     "adamw": (check_adamw, "functional.adamw_update (and kernels.adamw_update), optim.AdamW"),
     "sgd": (check_sgd, "functional.sgd_update, optim.SGD"),
 }
-COMPOSITE = ("attention_layer", "mlp", "block", "head", "model")
+COMPOSITE = ("conv_stem", "attention_layer", "mlp", "block", "head", "model")
 
 
 def select(names=None):
