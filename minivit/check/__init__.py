@@ -29,7 +29,7 @@ with more than its input (an attention mask) is checked with the rest held fixed
 returns several gradients (CLIP's similarity) is "not checked: takes N inputs". Rows are named by the
 layer's path ("blocks.1.attn") and the tensor ("dgamma"; "blocks.1.gamma" in the summary). A layer with a
 WRONG layer inside is "skipped: fix <path> first"; one whose layers are right but which is wrong is WRONG
-under its own path. The textbook compositions below (_layernorm, _attention, _block ...) serve diagnosis
+under its own path. The textbook compositions in compare.py (_layernorm, _attention, _block ...) serve diagnosis
 only: a layer of their class that no longer computes them is "differs" ("forward differs from the textbook
 <op>: checked by numerical gradients only"), never WRONG.
 

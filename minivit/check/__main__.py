@@ -4,4 +4,5 @@ import sys
 
 from .command import main
 
-sys.exit(main())
+if __name__ == "__main__":          # imported (pkgutil.walk_packages, a test), it runs nothing
+    sys.exit(main())
