@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from minivit import check as C
+from minivit import embeddings as E
 from minivit import functional as F
 from minivit import kernels
-from minivit import embeddings as E
 from minivit import layers as L
 from minivit import optim
 from minivit.backend import get_array_module

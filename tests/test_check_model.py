@@ -11,8 +11,8 @@ import pytest
 from test_architecture import RMSNorm, ScaledBlock
 
 from minivit import check as C
-from minivit import functional as F
 from minivit import embeddings as E
+from minivit import functional as F
 from minivit import layers as L
 from minivit.backend import get_array_module
 from minivit.model import ViT, ViTConfig

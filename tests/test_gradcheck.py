@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 import minivit
-from minivit import functional as F
 from minivit import embeddings as E
+from minivit import functional as F
 from minivit import layers as L
 from minivit.gradcheck import PairLayer
 
