@@ -41,7 +41,8 @@ from dataclasses import dataclass
 
 from . import functional as F
 from .backend import asarray, backend_module, backend_of, get_array_module, host_rng, is_array, to_numpy
-from .layers import Block, Embedding, Layer, LayerList, LayerNorm, Linear, PosEmbed, zeros
+from .embeddings import Embedding, PosEmbed
+from .layers import Block, Layer, LayerList, LayerNorm, Linear, zeros
 from .model import DTYPES, ConfigDict, ViT, ViTConfig, block_shapes
 
 # --------------------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ Loading a published checkpoint, or one of minivit's own (the format is told by t
     model = minivit.from_pretrained("ViT-B_16.npz", num_classes=10, img_size=384)   # a ViT, in one call
 
 The names and shapes a ViT must have come from model.param_shapes; the position-embedding resize for
-another resolution is layers.resize_pos_embed. This file sits above the model and the checkpoints.
+another resolution is embeddings.resize_pos_embed. This file sits above the model and the checkpoints.
 
 Every function takes and returns host NumPy arrays (torch tensors are accepted and converted; torch
 is imported only to read a .pth/.bin file, safetensors only to read a .safetensors one).
@@ -34,8 +34,8 @@ import numpy
 
 from .backend import to_numpy
 from .checkpoint import check_finite, check_is_vit, load_checkpoint, read_npz
+from .embeddings import resize_pos_embed
 from .hf import load_vit
-from .layers import resize_pos_embed
 from .model import ViT, ViTConfig, param_shapes
 
 PATCH_KEY = "patch_embed.proj.weight"
@@ -451,7 +451,7 @@ def _finish_head(config, state, K, num_classes, what):
 
 def resize_state_dict(config, state, img_size):
     """(config, state) for images of img_size, same patch size: the position embeddings resized with
-    layers.resize_pos_embed, everything else as it is. Returns (new config, new state)."""
+    embeddings.resize_pos_embed, everything else as it is. Returns (new config, new state)."""
     new_config = dataclasses.replace(config, img_size=img_size)   # checks that P divides img_size
     if new_config.grid_size == config.grid_size:
         return new_config, dict(state)

@@ -38,8 +38,8 @@ from dataclasses import dataclass
 from . import functional as F
 from .backend import asarray, backend_of, host_rng, is_array, to_numpy
 from .conv import ConvStem, conv_output_size
-from .layers import (Block, Dropout, GridPosEmbed, Layer, LayerList, LayerNorm, Linear, PatchEmbed, Pool, PosEmbed,
-                     PreLogits, check_num_heads, check_pool, check_pos_embed, resize_pos_embed)
+from .embeddings import GridPosEmbed, PatchEmbed, PosEmbed, check_pos_embed, resize_pos_embed
+from .layers import Block, Dropout, Layer, LayerList, LayerNorm, Linear, Pool, PreLogits, check_num_heads, check_pool
 
 DTYPES = ("float32", "float64")
 
@@ -489,7 +489,7 @@ class ViT(Classifier):
 
     def resize_pos_embed(self, img_size):
         """A NEW model for images of img_size: the same weights, with the position embeddings of the
-        patch grid resized by bilinear interpolation (layers.resize_pos_embed: corners aligned, as the
+        patch grid resized by bilinear interpolation (embeddings.resize_pos_embed: corners aligned, as the
         JAX release's scipy.ndimage.zoom(order=1)) and the class token's embedding kept as it is.
 
         The patch size stays, so 224 -> 384 with P = 16 turns a 14x14 grid (196 patches) into 24x24

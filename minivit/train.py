@@ -51,8 +51,8 @@ from .amp import LossScaler
 from .checkpoint import (check_finite, load_checkpoint, remove_stale_temporaries, restore_dropout_rngs,
                          save_checkpoint, write_atomic)
 from .data import DATASETS, Dataset, load_dataset, resize_images
+from .embeddings import POS_EMBED_KINDS
 from .functional import GELU_KINDS, cross_entropy, cross_entropy_backward, cross_entropy_forward
-from .layers import POS_EMBED_KINDS
 from .memory import check_fits, size_text
 from .model import DTYPES, ViT, ViTConfig, create_model, param_shapes, presets
 from .optim import SGD, AdamW, WarmupCosine, clip_grad_norm, default_no_decay

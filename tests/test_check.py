@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from minivit import check as C
+from minivit import embeddings as E
 from minivit import functional as F
 from minivit import kernels
 from minivit import layers as L
@@ -138,7 +139,7 @@ PLANTED = {
                       "linear", "dweight", "in and out transposed"),
     "1/B dropped in the loss": (F, "cross_entropy_backward", lambda f: lambda c: f(c) * c[0].shape[0],
                                 "cross_entropy", "dlogits", "x5 (= B"),
-    "class token not summed over the batch": (L.PosEmbed, "backward", lambda f: pos_embed_backward_without_batch_sum,
+    "class token not summed over the batch": (E.PosEmbed, "backward", lambda f: pos_embed_backward_without_batch_sum,
                                               "pos_embed", "dcls_token", "sum over the batch"),
     "pool cls forgets the class token": (L.Pool, "backward", lambda f: pool_backward_forgetting_the_class_token,
                                          "pool", "cls: dx", "zero everywhere"),

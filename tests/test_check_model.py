@@ -11,6 +11,7 @@ import pytest
 from test_architecture import RMSNorm, ScaledBlock
 
 from minivit import check as C
+from minivit import embeddings as E
 from minivit import functional as F
 from minivit import layers as L
 from minivit.backend import get_array_module
@@ -333,7 +334,7 @@ def pool_backward_wrong_token(self, dout):
     return dx
 
 
-@pytest.mark.parametrize("owner, bug, path", [(L.PosEmbed, pos_embed_backward_shifted, "pos_embed"),
+@pytest.mark.parametrize("owner, bug, path", [(E.PosEmbed, pos_embed_backward_shifted, "pos_embed"),
                                               (L.Pool, pool_backward_wrong_token, "pool")])
 def test_a_wrong_prefix_slice_is_blamed_on_the_layer_that_has_it(owner, bug, path):
     with C.replaced(owner, "backward", bug):

@@ -11,7 +11,7 @@ import pytest
 
 import minivit
 from minivit import conv as Cv
-from minivit import layers as L
+from minivit import embeddings as E
 from minivit.resnet import ResNet, ResNetConfig
 
 torch = pytest.importorskip("torch")
@@ -167,6 +167,6 @@ def test_sincos2d_matches_timm():
     pos = pytest.importorskip("timm.layers.pos_embed_sincos")
     for grid, D in (((4, 4), 16), ((3, 5), 32)):
         ref = pos.build_sincos2d_pos_embed(list(grid), D, interleave_sin_cos=True, dtype=torch.float64).numpy()
-        ours = minivit.to_numpy(L.sincos2d_table(grid, D, dtype="float64"))[0]    # (N, D)
+        ours = minivit.to_numpy(E.sincos2d_table(grid, D, dtype="float64"))[0]    # (N, D)
         swapped = np.concatenate([ours[:, D // 2:], ours[:, :D // 2]], axis=1)
         np.testing.assert_allclose(swapped, ref, atol=1e-6)     # timm computes the angles in float32

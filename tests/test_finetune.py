@@ -4,7 +4,7 @@ resizes the position embeddings for the new resolution, and follows the "finetun
 import numpy as np
 
 from minivit.convert import from_pretrained
-from minivit.layers import resize_pos_embed
+from minivit.embeddings import resize_pos_embed
 from minivit.train import TrainConfig, train
 
 

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import minivit
+from minivit import embeddings as E
 from minivit import functional as F
 from minivit import layers as L
 from minivit.gradcheck import PairLayer
@@ -66,18 +67,18 @@ def test_mlp(arr):
 
 
 def test_patch_embed(arr):
-    check(L.PatchEmbed((8, 12), 4, 3, 10, dtype="float64"), arr(2, 8, 12, 3))
+    check(E.PatchEmbed((8, 12), 4, 3, 10, dtype="float64"), arr(2, 8, 12, 3))
 
 
 @pytest.mark.parametrize("class_token", [True, False])
 def test_pos_embed(arr, class_token):
-    check(L.PosEmbed(6, 8, class_token=class_token, dtype="float64"), arr(2, 6, 8))
+    check(E.PosEmbed(6, 8, class_token=class_token, dtype="float64"), arr(2, 6, 8))
 
 
 # register tokens (Darcet et al., ICLR 2024): [x_class; reg_1 .. reg_nr; patches], E_pos over them all
 @pytest.mark.parametrize("class_token", [True, False])
 def test_pos_embed_with_registers(arr, class_token):
-    layer = L.PosEmbed(6, 8, class_token=class_token, num_registers=3, dtype="float64")
+    layer = E.PosEmbed(6, 8, class_token=class_token, num_registers=3, dtype="float64")
     report = check(layer, arr(2, 6, 8))
     assert "reg_token" in report.errors() and ("cls_token" in report.errors()) == class_token
 
@@ -85,14 +86,14 @@ def test_pos_embed_with_registers(arr, class_token):
 @pytest.mark.parametrize("kind", ["learned2d", "sincos2d", "none"])
 @pytest.mark.parametrize("class_token", [True, False])
 def test_grid_pos_embed_with_registers(arr, kind, class_token):
-    layer = L.GridPosEmbed((2, 3), 8, kind, class_token=class_token, num_registers=2, dtype="float64")
+    layer = E.GridPosEmbed((2, 3), 8, kind, class_token=class_token, num_registers=2, dtype="float64")
     assert "reg_token" in check(layer, arr(2, 6, 8)).errors()
 
 
 def test_prepend_tokens_pair(arr):
     cls_token, reg_token = arr(1, 1, 8), arr(1, 3, 8)
-    check(Pair(lambda x: L.prepend_tokens_forward(x, cls_token, reg_token),
-               lambda dz, cache: L.prepend_tokens_backward(dz, cache)[0]), arr(2, 5, 8))
+    check(Pair(lambda x: E.prepend_tokens_forward(x, cls_token, reg_token),
+               lambda dz, cache: E.prepend_tokens_backward(dz, cache)[0]), arr(2, 5, 8))
 
 
 def test_block(arr):

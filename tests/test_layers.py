@@ -3,6 +3,7 @@
 import numpy as np
 
 import minivit
+from minivit import embeddings as E
 from minivit import layers as L
 
 
@@ -20,7 +21,7 @@ def naive_conv(x, kernel, bias, stride):
 
 def test_patch_embedding_equals_a_convolution_with_kernel_equal_stride(rng):
     B, H, W, C, P, D = 2, 8, 12, 3, 4, 5
-    layer = L.PatchEmbed((H, W), P, C, D, dtype="float64")
+    layer = E.PatchEmbed((H, W), P, C, D, dtype="float64")
     layer.params["proj.bias"][...] = minivit.asarray(rng.standard_normal(D))
     x = rng.standard_normal((B, H, W, C))
     out = minivit.to_numpy(layer.forward(minivit.asarray(x)))                        # (B, N, D)
@@ -30,7 +31,7 @@ def test_patch_embedding_equals_a_convolution_with_kernel_equal_stride(rng):
 
 
 def test_class_token_is_prepended_and_position_embeddings_added(rng):
-    layer = L.PosEmbed(4, 6, dtype="float64")
+    layer = E.PosEmbed(4, 6, dtype="float64")
     x = rng.standard_normal((2, 4, 6))
     out = minivit.to_numpy(layer.forward(minivit.asarray(x)))
     cls = minivit.to_numpy(layer.params["cls_token"])[0, 0]
@@ -48,7 +49,7 @@ def test_pool_modes(rng):
 
 def test_registers_follow_the_class_token_and_get_their_own_position_rows(rng):
     # timm's layout: [x_class; reg_1 .. reg_nr; patches], pos_embed (1, 1+nr+N, D) added to all of them
-    layer = L.PosEmbed(4, 6, num_registers=3, dtype="float64")
+    layer = E.PosEmbed(4, 6, num_registers=3, dtype="float64")
     assert layer.params["reg_token"].shape == (1, 3, 6) and layer.params["pos_embed"].shape == (1, 8, 6)
     layer.params["reg_token"][...] = minivit.asarray(rng.standard_normal((1, 3, 6)))
     x = rng.standard_normal((2, 4, 6))
@@ -59,13 +60,13 @@ def test_registers_follow_the_class_token_and_get_their_own_position_rows(rng):
     np.testing.assert_allclose(out[:, 0], np.broadcast_to(cls[0] + pos[0], (2, 6)))
     np.testing.assert_allclose(out[:, 1:4], np.broadcast_to(reg + pos[1:4], (2, 3, 6)))
     np.testing.assert_allclose(out[:, 4:], x + pos[4:])
-    gap = L.PosEmbed(4, 6, class_token=False, num_registers=2, dtype="float64")  # GAP: the registers come first
+    gap = E.PosEmbed(4, 6, class_token=False, num_registers=2, dtype="float64")  # GAP: the registers come first
     assert "cls_token" not in gap.params and gap.params["pos_embed"].shape == (1, 6, 6)
     assert minivit.to_numpy(gap.forward(minivit.asarray(x))).shape == (2, 6, 6)
 
 
 def test_grid_kinds_put_registers_before_the_patches_without_a_position(rng):
-    layer = L.GridPosEmbed((2, 2), 8, "sincos2d", class_token=True, num_registers=2, dtype="float64")
+    layer = E.GridPosEmbed((2, 2), 8, "sincos2d", class_token=True, num_registers=2, dtype="float64")
     layer.params["reg_token"][...] = minivit.asarray(rng.standard_normal((1, 2, 8)))
     x = rng.standard_normal((3, 4, 8))
     out = minivit.to_numpy(layer.forward(minivit.asarray(x)))                   # (B, 1+2+4, D)

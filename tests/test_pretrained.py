@@ -15,6 +15,7 @@ import pytest
 
 import minivit
 from minivit import ViT, ViTConfig, convert
+from minivit import embeddings as E
 from minivit import layers as L
 
 
@@ -255,7 +256,7 @@ def test_a_minivit_checkpoint_of_a_variant_loads_and_refuses_a_resize_it_cannot_
 
 def test_resize_is_the_identity_at_the_same_grid():
     pe = np.random.default_rng(0).standard_normal((1, 1 + 3 * 5, 8))
-    np.testing.assert_array_equal(L.resize_pos_embed(pe, (3, 5), (3, 5)), pe)
+    np.testing.assert_array_equal(E.resize_pos_embed(pe, (3, 5), (3, 5)), pe)
     model = perturbed(tiny())
     same = model.resize_pos_embed(16)
     assert same is not model
@@ -287,7 +288,7 @@ def test_a_linear_ramp_over_the_grid_stays_that_ramp(old, new):
 
     cls = np.full((1, 1, D), 7.0)
     pe = np.concatenate([cls, ramp(*old)], axis=1)
-    out = L.resize_pos_embed(pe, old, new)
+    out = E.resize_pos_embed(pe, old, new)
     assert out.shape == (1, 1 + new[0] * new[1], D)
     np.testing.assert_array_equal(out[:, :1], cls)                        # the class token's kept as is
     np.testing.assert_allclose(out[:, 1:], ramp(*new), rtol=0, atol=1e-12)
@@ -297,7 +298,7 @@ def test_resize_is_the_jax_releases_scipy_zoom_order_1():
     ndimage = pytest.importorskip("scipy.ndimage")
     gh, gw, D = 5, 7, 6
     pe = np.random.default_rng(3).standard_normal((1, gh * gw, D))       # a GAP model: no prefix token
-    out = L.resize_pos_embed(pe, (gh, gw), (9, 4), num_prefix_tokens=0)
+    out = E.resize_pos_embed(pe, (gh, gw), (9, 4), num_prefix_tokens=0)
     ref = ndimage.zoom(pe[0].reshape(gh, gw, D), (9 / gh, 4 / gw, 1), order=1)   # as checkpoint.py does
     assert ref.shape == (9, 4, D)
     np.testing.assert_allclose(out[0].reshape(9, 4, D), ref, rtol=0, atol=1e-12)
@@ -626,7 +627,7 @@ def test_resize_equals_torch_bilinear_with_aligned_corners(timm_vit):
     import torch
     from timm.layers import resample_abs_pos_embed
     pe = np.random.default_rng(4).standard_normal((1, 1 + 4 * 6, 8)).astype(np.float32)
-    ours = L.resize_pos_embed(pe, (4, 6), (7, 9))
+    ours = E.resize_pos_embed(pe, (4, 6), (7, 9))
     theirs = resample_abs_pos_embed(torch.from_numpy(pe), new_size=(7, 9), old_size=(4, 6), num_prefix_tokens=1,
                                     interpolation="bilinear", antialias=False, align_corners=True).numpy()
     np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-6)    # torch interpolates in float32

@@ -33,7 +33,8 @@ LEVELS = [
     ("ops_report",),                # what each layer of a model ran, recorded (ops.report(model) calls it)
     ("ops",),                       # the table that chooses, per op, between functional and kernels
     ("layers", "amp"),              # the building blocks over the pairs; mixed precision's loss scaler
-    ("conv", "layer_examples"),     # convolution pairs and layers...; layers a student might write, worked
+    ("conv", "embeddings", "layer_examples"),  # convolution pairs and layers...; how an image becomes tokens
+                                    # (PatchEmbed, PosEmbed, GridPosEmbed, Embedding); layers a student might write
     ("gradcheck",),                 # checks any layer's backward against central differences
     ("model",),                     # ViTConfig, param_shapes, flops, Classifier, ViT, trace, presets
     ("hf",),                        # Hugging Face transformers folders (ViT, CLIP): below convert and clip, which call it
@@ -44,7 +45,14 @@ LEVELS = [
     ("clip_train",),                # CLIP's task for the trainer: its data, batches, step (on R ranks too), evaluation
     ("convert",),                   # published checkpoints (timm, JAX) and from_pretrained: above the model
     ("viz", "plot"),                # pictures: attention maps and patches, training curves
-    ("train", "predict", "check"),  # what a person runs: the trainer and the other command lines
+    ("train", "predict"),           # what a person runs: the trainer and the prediction command line
+    ("check.report",),              # minivit.check's rows, table and diagnoses; replaced()
+    ("check.compare",),             # the comparisons every check is made of; the textbook forwards
+    ("check.walk", "check.overfit"),  # the model walk (run_model); a tiny ViT overfit on one batch
+    ("check.ops",),                 # one check per op, OPS, run (the "model" op walks its layers)
+    ("check.command",),             # python -m minivit.check's argument parsing and output
+    ("check",),                     # check/__init__.py: the public API, gathered from the modules above
+    ("check.__main__",),            # python -m minivit.check
 ]
 LEVEL = {name: i for i, names in enumerate(LEVELS) for name in names}
 PACKAGE_LEVEL = len(LEVELS)         # ``import minivit`` from inside it: the package imports everything
@@ -173,7 +181,7 @@ def test_the_checker_reads_subpackages(tmp_path):
 # --------------------------------------------------------------------------------------------------
 
 
-MODULES = ["amp", "augment", "backend", "checkpoint", "conv", "convert", "data", "download", "functional",
+MODULES = ["amp", "augment", "backend", "checkpoint", "conv", "convert", "data", "download", "embeddings", "functional",
            "kernels", "layers", "model", "optim", "plot", "predict", "resnet", "stats", "train", "viz"]
 
 
@@ -241,3 +249,14 @@ def test_import_minivit_stays_light():
             f"print(' '.join(m for m in {heavy!r} if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.split() == [], f"import minivit imported {out.stdout.split()}"
+
+
+def test_a_layer_moved_to_embeddings_says_where_it_went():
+    """PatchEmbed, PosEmbed... left layers.py for embeddings.py (which builds on it, so layers cannot
+    re-export them): the old name raises, naming the new place."""
+    for name in minivit.layers.MOVED_TO_EMBEDDINGS:
+        assert hasattr(minivit.embeddings, name), name
+        with pytest.raises(AttributeError, match=f"{name} moved to minivit.embeddings: use minivit.embeddings.{name}"):
+            getattr(minivit.layers, name)
+    with pytest.raises(AttributeError, match="has no attribute 'Linaer'"):
+        minivit.layers.Linaer

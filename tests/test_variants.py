@@ -13,7 +13,7 @@ import pytest
 
 import minivit
 from minivit import conv as Cv
-from minivit import layers as L
+from minivit import embeddings as E
 from minivit.model import ViT, ViTConfig
 from minivit.resnet import ResNet, ResNetConfig
 
@@ -212,7 +212,7 @@ def test_resnet_checks_its_input():
 
 @pytest.mark.parametrize("kind,class_token", list(itertools.product(["learned2d", "sincos2d", "none"], [True, False])))
 def test_grid_pos_embed_gradcheck(arr, kind, class_token):
-    layer = L.GridPosEmbed((2, 3), 8, kind, class_token, dtype="float64")
+    layer = E.GridPosEmbed((2, 3), 8, kind, class_token, dtype="float64")
     out = layer.forward(arr(2, 6, 8))
     assert out.shape == (2, 7 if class_token else 6, 8)
     minivit.gradcheck(layer, arr(2, 6, 8), **GC).assert_ok()
@@ -220,7 +220,7 @@ def test_grid_pos_embed_gradcheck(arr, kind, class_token):
 
 def test_learned2d_token_gets_its_row_and_its_column(rng):
     gh, gw, D = 3, 4, 6
-    layer = L.GridPosEmbed((gh, gw), D, "learned2d", class_token=True, dtype="float64")
+    layer = E.GridPosEmbed((gh, gw), D, "learned2d", class_token=True, dtype="float64")
     row, col = to_np(layer.params["pos_embed_row"])[0], to_np(layer.params["pos_embed_col"])[0]  # (gh, D/2), (gw, D/2)
     x = rng.standard_normal((2, gh * gw, D))
     out = to_np(layer.forward(minivit.asarray(x)))
@@ -230,10 +230,10 @@ def test_learned2d_token_gets_its_row_and_its_column(rng):
 
 
 def test_sincos2d_is_maes_table_and_has_no_parameters():
-    layer = L.GridPosEmbed((5, 5), 16, "sincos2d", class_token=False, dtype="float64")
+    layer = E.GridPosEmbed((5, 5), 16, "sincos2d", class_token=False, dtype="float64")
     assert layer.params == {}
     np.testing.assert_allclose(to_np(layer.table)[0], mae_sincos_2d(16, 5), rtol=1e-12, atol=1e-12)
-    t = to_np(L.sincos2d_table((2, 3), 8, dtype="float64"))[0]            # non-square: row-major over (2, 3)
+    t = to_np(E.sincos2d_table((2, 3), 8, dtype="float64"))[0]            # non-square: row-major over (2, 3)
     np.testing.assert_allclose(t[4, :2], [np.sin(1.0), np.sin(1.0 / 100)])   # row 1, column 1: sin(c w_k), w = 1, 1/100
     np.testing.assert_allclose(t[5, 4:6], [np.sin(1.0), np.sin(0.01)])      # row 1, column 2: sin(r w_k)
 
@@ -336,7 +336,7 @@ def test_bad_layer_arguments_name_the_value(arr):
     with pytest.raises(ValueError, match="input has 2 channels .* expects 3"):
         Cv.conv2d_forward(arr(1, 4, 4, 2), arr(3, 3, 3, 5))
     with pytest.raises(ValueError, match="got 'relative'"):
-        L.GridPosEmbed((2, 2), 8, "relative")
+        E.GridPosEmbed((2, 2), 8, "relative")
     with pytest.raises(ValueError, match=r"widths \(4, 8\) and depths \(1,\)"):
         ResNetConfig(widths=(4, 8), depths=(1,))
     with pytest.raises(ValueError, match="widths must be a non-empty tuple of positive ints, got \\(\\)"):
