@@ -29,6 +29,7 @@ import numpy
 
 from . import data as D
 from .backend import host_rng
+from .data.synthetic import _draw_shape_images
 
 PAD, UNK, START, END = "<pad>", "<unk>", "<start>", "<end>"
 _WORD = re.compile(r"[a-z0-9]+(?:[-'][a-z0-9]+)*|[^\sa-z0-9]")   # words (with inner - or '), or one sign
@@ -301,7 +302,7 @@ def _draw_captioned_shapes(n, rng, S, allowed):
     lo = numpy.where(side == 0, radius, middle + 1.5)                          # (n,) centre x from lo to hi
     hi = numpy.where(side == 0, middle - 1.5, S - radius)
     cx = lo + rng.uniform(0, 1, size=n) * numpy.maximum(hi - lo, 0)            # (n,)
-    images = D._draw_shape_images(shape, rng, S, fg=fg.reshape(n, 1, 1, 3).astype(numpy.float32),
+    images = _draw_shape_images(shape, rng, S, fg=fg.reshape(n, 1, 1, 3).astype(numpy.float32),
                                   radius=radius.reshape(n, 1, 1).astype(numpy.float32),
                                   cx=cx.reshape(n, 1, 1).astype(numpy.float32))
     names = list(SIZES)

@@ -52,7 +52,7 @@ import numpy as np
 from . import functional as F
 from . import kernels
 from . import layers as L
-from .augment import normalize
+from .data.augment import normalize
 from .backend import asarray, backend_of, get_array_module, host_rng, is_array, to_numpy
 from .data import make_shapes
 from .gradcheck import PairLayer, gradcheck

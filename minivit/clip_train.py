@@ -29,7 +29,7 @@ and every rank computes the same figures from all of them (recall@k ranks each p
 import dataclasses
 import math
 
-from . import augment as A
+from .data import augment as A
 from . import backend, distributed
 from .captions import CAPTIONED_DATASETS, Tokenizer, batch_indices, caption_ids, load_captioned, tokenizer_for
 from .clip import (CLIP, CLIPConfig, contrastive_loss, encode_images, encode_texts, presets, retrieval_recall,

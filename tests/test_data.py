@@ -454,7 +454,7 @@ def test_shapes_class_is_decided_by_shape_not_colour():
 
 def test_shapes_default_size_is_fast():
     """12000 images in under 3 s of CPU time (process time: other jobs on a shared machine don't count)."""
-    from minivit.data import _drawn_shapes
+    from minivit.data.synthetic import _drawn_shapes
 
     _drawn_shapes.cache_clear()        # draw them, not read them from the cache of an earlier test
     start = time.process_time()

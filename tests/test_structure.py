@@ -38,7 +38,10 @@ LEVELS = [
     ("model",),                     # ViTConfig, param_shapes, flops, Classifier, ViT, trace, presets
     ("hf",),                        # Hugging Face transformers folders (ViT, CLIP): below convert and clip, which call it
     ("resnet", "clip"),             # models built on the ViT's parts: the CNN baseline, CLIP (branch clip)
-    ("optim", "augment", "data", "download", "stats"),  # what training uses beside the model
+    ("optim", "stats",              # what training uses beside the model; the data sets' parts below data:
+     "data.augment", "data.download", "data.dataset"),  # batch augmentation, the network, the Dataset record
+    ("data.cifar", "data.fashion_mnist", "data.folders", "data.synthetic"),  # the readers, and sets drawn
+    ("data",),                      # load_dataset, and every reader's public name
     ("captions",),                  # captioned images for CLIP, built on data (branch clip)
     ("checkpoint", "distributed"),  # the trainer's .npz files; data parallelism over MPI and NCCL
     ("clip_train",),                # CLIP's task for the trainer: its data, batches, step (on R ranks too), evaluation
