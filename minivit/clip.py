@@ -40,9 +40,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from . import functional as F
-from .backend import asarray, backend_module, backend_of, get_array_module, host_rng, is_array, to_numpy
+from .backend import as_numpy, asarray, backend_module, backend_of, get_array_module, host_rng, is_array
 from .layers import Block, Embedding, Layer, LayerList, LayerNorm, Linear, PosEmbed, zeros
-from .model import DTYPES, ConfigDict, ViT, ViTConfig, block_shapes
+from .model import DTYPES, ConfigDict, ViT, ViTConfig, block_shapes, check_img_size
 
 # --------------------------------------------------------------------------------------------------
 # The joint space: L2 normalisation, the logits with a learned temperature, the symmetric InfoNCE loss
@@ -240,14 +240,7 @@ class CLIPConfig(ConfigDict):
                                     # minivit's tokenizers); an id: its first position (newer transformers configs)
 
     def __post_init__(self):
-        img = self.img_size
-        if isinstance(img, int) and not isinstance(img, bool):
-            img = (img, img)
-        elif isinstance(img, (tuple, list)) and len(img) == 2 and all(isinstance(v, int) for v in img):
-            img = tuple(img)
-        else:
-            raise ValueError(f"img_size must be an int or a pair (H, W) of ints, got {self.img_size!r}")
-        object.__setattr__(self, "img_size", img)
+        object.__setattr__(self, "img_size", check_img_size(self.img_size))   # (H, W), as the ViT's
         for name in ("embed_dim", "patch_size", "in_chans", "vision_width", "vision_layers", "vision_heads",
                      "context_length", "vocab_size", "text_width", "text_layers", "text_heads"):
             value = getattr(self, name)
@@ -387,7 +380,7 @@ class CLIP(Layer):
         """A CLIP with the weights of an open_clip CLIP's ``model.state_dict()`` (NumPy arrays or tensors).
         The head counts cannot be read from the weights (one packed in_proj matrix); every other size is
         inferred from the shapes. quick_gelu: the models were trained with QuickGELU (OpenAI's)."""
-        state = {k: _as_numpy(v) for k, v in state.items()}
+        state = {k: as_numpy(v) for k, v in state.items()}
         config = open_clip_config(state, vision_heads, text_heads, quick_gelu)
         return cls(config, dtype=dtype).load_state_dict(from_open_clip(state))
 
@@ -422,12 +415,6 @@ presets = {
 # --------------------------------------------------------------------------------------------------
 
 
-def _as_numpy(value):
-    if hasattr(value, "detach"):  # a torch tensor
-        value = value.detach().cpu().numpy()
-    return to_numpy(value).copy()
-
-
 _BLOCK_NAMES = [("norm1", "ln_1"), ("attn.qkv.weight", "attn.in_proj_weight"), ("attn.qkv.bias", "attn.in_proj_bias"),
                 ("attn.proj", "attn.out_proj"), ("norm2", "ln_2"), ("mlp.fc1", "mlp.c_fc"), ("mlp.fc2", "mlp.c_proj")]
 _TOP_NAMES = [("visual.norm_pre", "visual.ln_pre"), ("visual.norm.", "visual.ln_post."),
@@ -449,7 +436,7 @@ def to_open_clip(params_or_grads):
     The patch size is read from the patch projection's rows, P*P*3 (open_clip's images are RGB)."""
     out = {}
     for name, value in params_or_grads.items():
-        value = _as_numpy(value)
+        value = as_numpy(value)
         new = _rename(name, _TOP_NAMES)
         if ".resblocks." in new:
             head, rest = new.split(".resblocks.", 1)
@@ -482,7 +469,7 @@ def from_open_clip(state):
     inverse_block = [(b, a) for a, b in _BLOCK_NAMES]
     out = {}
     for name, value in state.items():
-        value = _as_numpy(value)
+        value = as_numpy(value)
         if name == "attn_mask" or name.endswith("attn_mask"):                # a buffer, not a parameter
             continue
         if name == "visual.conv1.weight":
