@@ -14,6 +14,7 @@ import sys
 MOVED = {   # "minivit.<old>" -> "minivit.<sub>.<new>"
     "minivit.augment": "minivit.data.augment",
     "minivit.download": "minivit.data.download",
+    "minivit.captions": "minivit.clip.captions",
 }
 
 

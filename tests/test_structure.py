@@ -33,16 +33,19 @@ LEVELS = [
     ("ops_report",),                # what each layer of a model ran, recorded (ops.report(model) calls it)
     ("ops",),                       # the table that chooses, per op, between functional and kernels
     ("layers", "amp"),              # the building blocks over the pairs; mixed precision's loss scaler
-    ("conv", "layer_examples"),     # convolution pairs and layers...; layers a student might write, worked
+    ("conv", "layer_examples",      # convolution pairs and layers...; layers a student might write, worked;
+     "clip.loss"),                  # CLIP's joint space and contrastive loss (on one rank of R too)
     ("gradcheck",),                 # checks any layer's backward against central differences
     ("model",),                     # ViTConfig, param_shapes, flops, Classifier, ViT, trace, presets
     ("hf",),                        # Hugging Face transformers folders (ViT, CLIP): below convert and clip, which call it
-    ("resnet", "clip"),             # models built on the ViT's parts: the CNN baseline, CLIP (branch clip)
+    ("resnet", "clip.model",        # models built on the ViT's parts: the CNN baseline, CLIP's towers and config;
+     "clip.zero_shot"),             # a trained CLIP used: features, zero-shot classification, retrieval
+    ("clip",),                      # CLIP's every public name (loss, model, zero_shot)
     ("optim", "stats",              # what training uses beside the model; the data sets' parts below data:
      "data.augment", "data.download", "data.dataset"),  # batch augmentation, the network, the Dataset record
     ("data.cifar", "data.fashion_mnist", "data.folders", "data.synthetic"),  # the readers, and sets drawn
     ("data",),                      # load_dataset, and every reader's public name
-    ("captions",),                  # captioned images for CLIP, built on data (branch clip)
+    ("clip.captions",),             # CLIP's tokenizers and captioned images, built on data
     ("checkpoint", "distributed"),  # the trainer's .npz files; data parallelism over MPI and NCCL
     ("clip_train",),                # CLIP's task for the trainer: its data, batches, step (on R ranks too), evaluation
     ("convert",),                   # published checkpoints (timm, JAX) and from_pretrained: above the model

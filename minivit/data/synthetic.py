@@ -63,7 +63,7 @@ def _draw_shapes(n, rng, S, chunk=500):
 
 def _draw_shape_images(labels, rng, S, fg=None, radius=None, cx=None):
     """One image uint8 (n, S, S, 3) of each label in labels (n,), every random choice taken from rng.
-    fg (n, 1, 1, 3) colours, radius (n, 1, 1) and cx (n, 1, 1) in pixels: given (minivit/captions.py
+    fg (n, 1, 1, 3) colours, radius (n, 1, 1) and cx (n, 1, 1) in pixels: given (minivit/clip/captions.py
     names them in its captions), they are used instead of drawn."""
     n = labels.shape[0]
     coords = (numpy.arange(S, dtype=numpy.float32) + 0.5)  # pixel centres (S,)
