@@ -10,7 +10,6 @@ from ..backend import asarray, get_array_module
 from .loss import l2_normalize_forward
 
 
-
 @contextmanager
 def _eval_mode(model):
     """Run the body with model in eval mode (no caches, no dropout), then restore its mode."""
