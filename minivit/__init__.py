@@ -31,10 +31,10 @@ __all__ = ["asarray", "backend_module", "get_array_module", "get_backend", "gpu_
            "to_numpy", "cross_entropy", "gradcheck", "GradcheckReport", "ViT", "ViTConfig", "create_model",
            "flops", "param_shapes", "presets", "trace", "load_model", "from_pretrained"]
 
-# Imported on first use: minivit.train (tqdm), .download (tqdm), .data, .viz and .plot (matplotlib inside),
-# .predict (Pillow inside), .augment, .resnet, .stats, .clip and .captions (CLIP).
-_LAZY = ("augment", "captions", "check", "clip", "clip_train", "data", "distributed", "download", "plot", "predict",
-         "resnet", "stats", "train", "viz")
+# Imported on first use: minivit.train (tqdm), .data (.data.download: tqdm), .viz and .plot (matplotlib inside),
+# .predict (Pillow inside), .resnet, .stats, .clip (CLIP). The old names of moved modules (.augment, .download,
+# .captions: _moved.MOVED) likewise.
+_LAZY = ("check", "clip", "clip_train", "data", "distributed", "plot", "predict", "resnet", "stats", "train", "viz")
 
 
 def __getattr__(name):

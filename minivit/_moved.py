@@ -11,7 +11,11 @@ import importlib.abc
 import importlib.util
 import sys
 
-MOVED = {}   # "minivit.<old>" -> "minivit.<sub>.<new>"
+MOVED = {   # "minivit.<old>" -> "minivit.<sub>.<new>"
+    "minivit.augment": "minivit.data.augment",
+    "minivit.download": "minivit.data.download",
+    "minivit.captions": "minivit.clip.captions",
+}
 
 
 class _Alias(importlib.abc.MetaPathFinder, importlib.abc.Loader):

@@ -101,6 +101,14 @@ def to_numpy(x):
     return numpy.asarray(x)
 
 
+def as_numpy(value):
+    """A host NumPy copy of value, C-contiguous: a NumPy or CuPy array, or a PyTorch tensor (detached and moved to
+    the CPU first), as a published checkpoint's state dict holds them (convert.py, clip/model.py)."""
+    if hasattr(value, "detach"):  # a torch tensor
+        value = value.detach().cpu().numpy()
+    return to_numpy(value).copy()
+
+
 def asarray(x, dtype=None, backend=None):
     """x as an array of the given backend (default: the current one), copied across devices if needed."""
     xp = backend_module(backend)

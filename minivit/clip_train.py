@@ -29,11 +29,11 @@ and every rank computes the same figures from all of them (recall@k ranks each p
 import dataclasses
 import math
 
-from . import augment as A
 from . import backend, distributed
-from .captions import CAPTIONED_DATASETS, Tokenizer, batch_indices, caption_ids, load_captioned, tokenizer_for
 from .clip import (CLIP, CLIPConfig, contrastive_loss, encode_images, encode_texts, presets, retrieval_recall,
                    similarity_backward, similarity_forward, zero_shot_classifier)
+from .clip.captions import CAPTIONED_DATASETS, Tokenizer, batch_indices, caption_ids, load_captioned, tokenizer_for
+from .data import augment as A
 from .optim import clip_grad_norm
 
 # The trainer's options CLIP's task has no use for, with the one value each may take (None: not given).

@@ -32,7 +32,7 @@ import zipfile
 
 import numpy
 
-from .backend import to_numpy
+from .backend import as_numpy
 from .checkpoint import check_finite, check_is_vit, load_checkpoint, read_npz
 from .embeddings import resize_pos_embed
 from .hf import load_vit
@@ -42,12 +42,6 @@ PATCH_KEY = "patch_embed.proj.weight"
 
 # num_heads cannot be read from timm's weights (one packed qkv matrix); the presets' widths tell it
 HEADS_BY_WIDTH = {192: 3, 384: 6, 768: 12, 1024: 16, 1280: 16}   # Ti, S, B, L, H (paper Table 1, DeiT)
-
-
-def _as_numpy(value):
-    if hasattr(value, "detach"):  # a torch tensor
-        value = value.detach().cpu().numpy()
-    return numpy.array(to_numpy(value))
 
 
 def _is_linear_weight(name, value):
@@ -63,7 +57,7 @@ def from_timm(state_dict):
     """timm's VisionTransformer state dict -> minivit's (a dict of NumPy arrays, same keys)."""
     out = {}
     for name, value in state_dict.items():
-        value = _as_numpy(value)
+        value = as_numpy(value)
         if name == PATCH_KEY:
             if value.ndim != 4 or value.shape[2] != value.shape[3]:
                 raise ValueError(f"{PATCH_KEY} must be a (D, C, P, P) conv kernel in timm's layout, "
@@ -81,7 +75,7 @@ def to_timm(state_dict, patch_size, in_chans):
     (P*P*C, D) projection back into a (D, C, P, P) conv kernel."""
     out = {}
     for name, value in state_dict.items():
-        value = _as_numpy(value)
+        value = as_numpy(value)
         if name == PATCH_KEY:
             P, C = patch_size, in_chans
             if value.ndim != 2 or value.shape[0] != P * P * C:
@@ -198,7 +192,7 @@ def from_timm_checkpoint(state_dict, num_heads=None, img_size=None, gelu=None, n
     if "fc_norm.weight" in sd:
         raise ValueError(f"{what} has fc_norm (a LayerNorm after average pooling, timm's default with "
                          f"global_pool='avg'); minivit follows the paper (final LayerNorm, then the mean)")
-    kernel = _as_numpy(sd[PATCH_KEY])
+    kernel = as_numpy(sd[PATCH_KEY])
     if kernel.ndim != 4 or kernel.shape[2] != kernel.shape[3]:
         raise ValueError(f"{what}: {PATCH_KEY} must be a (D, C, P, P) conv kernel, got {kernel.shape}")
     D, C, P, _ = kernel.shape
@@ -303,7 +297,7 @@ def _google_arrays(path_or_arrays):
             raise ValueError(f"{os.fspath(path_or_arrays)!r} is a {kind} checkpoint, not the JAX release's "
                              f".npz: use load_checkpoint_file")
     else:
-        arrays = {k: _as_numpy(v) for k, v in dict(path_or_arrays).items()}
+        arrays = {k: as_numpy(v) for k, v in dict(path_or_arrays).items()}
     if "opt/target/embedding/kernel" in arrays:   # early checkpoints saved the optimizer's target
         arrays = {k[len("opt/target/"):]: v for k, v in arrays.items() if k.startswith("opt/target/")}
     if any(k.startswith("params/") for k in arrays) or "pos_embedding" in arrays:
@@ -399,7 +393,7 @@ def to_google_npz(state_dict, config, path=None):
                          f"got stem={c.stem!r}, pos_embed={c.pos_embed!r}")
     google_shapes(c)   # refuses what the layout cannot hold (register tokens)
     _check_arrays("the state dict", state_dict, param_shapes(c))
-    sd = {k: _as_numpy(v) for k, v in state_dict.items()}
+    sd = {k: as_numpy(v) for k, v in state_dict.items()}
     D, P, C, nh = c.embed_dim, c.patch_size, c.in_chans, c.num_heads
     hs = D // nh
     out = {"embedding/kernel": sd[PATCH_KEY].reshape(P, P, C, D)}            # (P*P*C, D) -> (P, P, C, D)
@@ -463,7 +457,7 @@ def resize_state_dict(config, state, img_size):
                          f"{config.img_size[0]}")
     state = dict(state)
     T = config.num_prefix_tokens          # the class token's and the registers' rows, kept as they are
-    state["pos_embed"] = resize_pos_embed(_as_numpy(state["pos_embed"]), config.grid_size, new_config.grid_size, T)
+    state["pos_embed"] = resize_pos_embed(as_numpy(state["pos_embed"]), config.grid_size, new_config.grid_size, T)
     return new_config, state
 
 

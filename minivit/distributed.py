@@ -42,7 +42,7 @@ from contextlib import contextmanager
 
 from . import backend
 from .backend import backend_of, get_array_module, host_rng
-from .functional import cross_entropy
+from .clip.loss import contrastive_loss_rows  # noqa: F401  (clip_train.py calls distributed.contrastive_loss_rows)
 from .layers import Dropout
 from .optim import clip_grad_norm
 
@@ -623,7 +623,7 @@ def check_in_sync(comm, model):
 
 
 # --------------------------------------------------------------------------------------------------
-# CLIP's contrastive loss over the global batch: all-gather the features, with their gradient
+# All-gather with its gradient: CLIP's loss over the global batch (clip/loss.py) needs every rank's features
 # --------------------------------------------------------------------------------------------------
 
 
@@ -668,19 +668,3 @@ def all_gather_rows_backward(comm, dout):
     dx = xp.empty((b,) + dout.shape[1:], dtype=dout.dtype)                     # (b, E)
     comm.reduce_scatter(flat, dx.reshape(-1), what="the feature gradient reduce-scatter")
     return dx
-
-
-def contrastive_loss_rows(logits_img, logits_txt, rank):
-    """CLIP's symmetric loss for this rank's b pairs against the whole global batch of B = R b:
-        logits_img = s I_r T^T (b, B): this rank's images against every text
-        logits_txt = s T_r I^T (b, B): this rank's texts against every image
-        L_r = (CE(logits_img, labels) + CE(logits_txt, labels)) / 2,   labels = r b + arange(b)
-    (pair i of rank r is row r b + i of the gathered features). The mean of L_r over the ranks is
-    clip.contrastive_loss of the whole batch's (B, B) logits. Returns (L_r as a float, dlogits_img,
-    dlogits_txt), each (b, B)."""
-    xp = get_array_module(logits_img)
-    b = logits_img.shape[0]
-    labels = rank * b + xp.arange(b)                                          # (b,) the right column of each row
-    loss_img, dlogits_img = cross_entropy(logits_img, labels)                 # image -> text
-    loss_txt, dlogits_txt = cross_entropy(logits_txt, labels)                 # text -> image
-    return (loss_img + loss_txt) / 2, dlogits_img / 2, dlogits_txt / 2

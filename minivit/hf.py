@@ -439,7 +439,7 @@ def save_pretrained(model, folder, class_names=None, dtype="float32"):
     (CLIPModel.from_pretrained) loads it and gives the same outputs. dtype: of the saved weights."""
     if dtype not in ("float32", "float64"):
         raise ValueError(f"dtype must be 'float32' or 'float64', got {dtype!r}")
-    if hasattr(getattr(model, "config", None), "text_width"):      # a minivit.clip.CLIP (clip.py sits above)
+    if hasattr(getattr(model, "config", None), "text_width"):      # a minivit.clip.CLIP (clip/ sits above)
         config, arrays = hf_clip_config(model.config), to_hf_clip(model.state_dict(), model.config)
     elif isinstance(model, ViT):
         if class_names is None:

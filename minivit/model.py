@@ -15,7 +15,7 @@ CNN (minivit/conv.py, §3.1), and ``pos_embed="learned2d" | "sincos2d" | "none"`
 GridPosEmbed (layers.py, App. D.4). experiments/ and notebook 11 compare them. ``num_registers=nr`` adds
 nr register tokens after the class token (Darcet et al., ICLR 2024; timm's reg_tokens): pos_embed makes
 (B, 1+nr+N, D), the blocks and norm carry them, and pool drops them. CLIP's image tower
-(minivit/clip.py) is this ViT with ``pre_norm=True, patch_bias=False, norm_eps=1e-5, head_bias=False`` and
+(minivit/clip/model.py) is this ViT with ``pre_norm=True, patch_bias=False, norm_eps=1e-5, head_bias=False`` and
 often ``gelu="quick"``: the options timm's VisionTransformer has for its CLIP models.
 
 Parameter names are timm's (``patch_embed.proj.weight``, ``cls_token``, ``blocks.0.attn.qkv.weight``...);
@@ -65,6 +65,16 @@ class ConfigDict:
         return cls(**d)
 
 
+def check_img_size(img_size):
+    """A config's img_size as (H, W): an int means a square image; a ValueError for anything else.
+    ViTConfig and clip.CLIPConfig both read it so."""
+    if isinstance(img_size, int) and not isinstance(img_size, bool):
+        return (img_size, img_size)
+    if isinstance(img_size, (tuple, list)) and len(img_size) == 2 and all(isinstance(v, int) for v in img_size):
+        return tuple(img_size)
+    raise ValueError(f"img_size must be an int or a pair (H, W) of ints, got {img_size!r}")
+
+
 @dataclass(frozen=True)
 class ViTConfig(ConfigDict):
     """The shape of a ViT. Defaults are ViT-B/16 at 224 (the paper's Table 1, "Base")."""
@@ -90,7 +100,7 @@ class ViTConfig(ConfigDict):
     stem: str = "patch"            # "patch": P x P patches, linearly projected; "conv": the hybrid, a small
                                    # CNN of total stride P whose feature map is cut into 1x1 patches
     stem_width: int = 32           # conv stem only: channels of its first conv, doubled by each stride-2 conv
-    # CLIP's image tower (minivit/clip.py); timm has each of them for its CLIP models
+    # CLIP's image tower (minivit/clip/model.py); timm has each of them for its CLIP models
     pre_norm: bool = False         # a LayerNorm (norm_pre; CLIP's ln_pre) after the position embeddings
     patch_bias: bool = True        # the patch projection's bias (CLIP has none; timm drops it with pre_norm)
     norm_eps: float = 1e-6         # every LayerNorm's eps: 1e-6 as ViT, 1e-5 as CLIP (PyTorch's default)
@@ -100,13 +110,7 @@ class ViTConfig(ConfigDict):
                                    # read by no output (timm's reg_tokens; the paper mostly uses 4); 0: none
 
     def __post_init__(self):
-        img = self.img_size
-        if isinstance(img, int) and not isinstance(img, bool):
-            img = (img, img)
-        elif isinstance(img, (tuple, list)) and len(img) == 2 and all(isinstance(v, int) for v in img):
-            img = tuple(img)
-        else:
-            raise ValueError(f"img_size must be an int or a pair (H, W) of ints, got {self.img_size!r}")
+        img = check_img_size(self.img_size)
         object.__setattr__(self, "img_size", img)
         for name in ("patch_size", "in_chans", "num_classes", "embed_dim", "depth", "num_heads"):
             value = getattr(self, name)

@@ -12,7 +12,7 @@ import argparse
 import os
 import sys
 
-from . import augment as A
+from .data import augment as A
 from .backend import asarray, to_numpy
 from .checkpoint import load_model
 from .convert import from_pretrained

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import numpy
 from tqdm import tqdm
 
-from . import augment as A
+from .data import augment as A
 from . import backend, distributed, ops, stats
 from .amp import LossScaler
 from .checkpoint import (check_finite, load_checkpoint, remove_stale_temporaries, restore_dropout_rngs,
@@ -325,7 +325,7 @@ So that this command still shows a training run, it falls back to {fallback}{not
 def _download_cifar10(root):
     """Fetch and unpack CIFAR-10 into root; raises NetworkError/ValueError when it cannot."""
     from .data import CIFAR10_ARCHIVE, CIFAR10_MD5, CIFAR10_URL
-    from .download import download_file, safe_extract_tar
+    from .data.download import download_file, safe_extract_tar
 
     archive = os.path.join(root, CIFAR10_ARCHIVE)
     download_file(CIFAR10_URL, archive, CIFAR10_MD5[CIFAR10_ARCHIVE])

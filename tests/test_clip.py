@@ -1,4 +1,4 @@
-"""CLIP (minivit/clip.py, minivit/captions.py): every new pair gradient-checked in float64, the text
+"""CLIP (minivit/clip/, minivit/clip/captions.py): every new pair gradient-checked in float64, the text
 tower's causal mask, the loss and its temperature, the tokenizer, the captioned data, the open_clip layout
 round trip, zero-shot and retrieval, and a tiny CLIP that learns to match its pairs."""
 

@@ -456,7 +456,7 @@ def test_shapes_default_size_is_fast():
     """12000 images in under 6 s of CPU time (process time: other jobs on a shared machine count only through
     the caches they share; ~1.1-1.6 s measured at a load average of 8.5 on 2 cores, 2026-12-05). It guards
     against a per-pixel Python loop (100x slower), not against a few percent: speed lives in benchmarks/."""
-    from minivit.data import _drawn_shapes
+    from minivit.data.synthetic import _drawn_shapes
 
     _drawn_shapes.cache_clear()        # draw them, not read them from the cache of an earlier test
     start = time.process_time()

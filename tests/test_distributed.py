@@ -28,6 +28,7 @@ sys.path.insert(0, ROOT)   # the worker, started as a script, imports this check
 import minivit  # noqa: E402
 from minivit import distributed as dist  # noqa: E402
 from minivit.clip import presets  # noqa: E402
+from minivit.clip.loss import contrastive_loss_rows  # noqa: E402
 from minivit.functional import cross_entropy  # noqa: E402
 from minivit.layers import Block  # noqa: E402
 from minivit.model import ViT, ViTConfig  # noqa: E402
@@ -191,7 +192,7 @@ def worker_collectives(comm, out):
     img_g, txt_g = dist.all_gather_rows(comm, img), dist.all_gather_rows(comm, txt)  # (B, E)
     results["gathered_equal"] = bool((img_g == img_all).all() and (txt_g == txt_all).all())
     s = 2.0
-    loss, dli, dlt = dist.contrastive_loss_rows(s * img @ txt_g.T, s * txt @ img_g.T, r)   # (b, B) each
+    loss, dli, dlt = contrastive_loss_rows(s * img @ txt_g.T, s * txt @ img_g.T, r)   # (b, B) each
     dimg = s * dli @ txt_g                                     # (b, E)  through this rank's own rows
     dtxt = s * dlt @ img_g
     dimg_g = dist.all_gather_rows_backward(comm, s * dlt.T @ txt)   # (b, E)  through the gathered rows

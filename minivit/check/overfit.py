@@ -4,7 +4,7 @@ cannot show about the gradients."""
 import math
 
 from .. import functional as F
-from ..augment import normalize
+from ..data.augment import normalize
 from ..backend import asarray
 from ..data import make_shapes
 from ..model import ViT, ViTConfig

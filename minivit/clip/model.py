@@ -1,18 +1,5 @@
-"""CLIP from scratch (Radford et al., ICML 2021, "Learning Transferable Visual Models From Natural
-Language Supervision"): an image tower, a text tower and a contrastive loss, every backward by hand.
-
-    images (B, H, W, C) -> visual: minivit's ViT with CLIP's options -> (B, E) -> L2 normalise -> I (B, E)
-    tokens (B, L)       -> text: a causal Transformer, <end>'s features -> (B, E) -> L2 normalise -> T (B, E)
-    logits = exp(logit_scale) I T^T                                                      (B, B)
-    loss   = (CE(logits, arange B) over rows + CE(logits^T, arange B) over columns) / 2  symmetric InfoNCE
-
-Image i and text i are a pair; every other text in the batch is a negative for image i and every other
-image a negative for text i. After training, a class is recognised from its name alone: each class
-name is written into prompts ("a photo of a {}"), encoded, and an image goes to the class whose text
-embedding is the most similar (zero_shot_classifier).
-
-Glossary (with functional.py's): E joint embedding width, L context length (tokens per caption),
-V vocabulary size, W text width, K zero-shot classes.
+"""CLIP's two towers and the model that joins them: the text tower (a causal Transformer of minivit's Blocks),
+CLIPConfig, CLIP, the presets, and the translation to and from open_clip's names and layouts.
 
 Parameter names: ``visual.`` + the ViT's (timm's) names, ``text.`` + the text tower's (its blocks are
 minivit's Block, so ``text.blocks.0.attn.qkv.weight``...), and ``logit_scale``. ``to_open_clip`` and
@@ -33,119 +20,20 @@ minivit's Block, so ``text.blocks.0.attn.qkv.weight``...), and ``logit_scale``. 
     text.blocks.i...                     transformer.resblocks.i...                 as the visual blocks
     text.norm / text.proj.weight         ln_final / text_projection (W, E)          none
     logit_scale ()                       logit_scale ()                             none
+
+Glossary (with functional.py's): E joint embedding width, L context length (tokens per caption),
+V vocabulary size, W text width.
 """
 
 import math
-from contextlib import contextmanager
 from dataclasses import dataclass
 
-from . import functional as F
-from .backend import asarray, backend_module, backend_of, get_array_module, host_rng, is_array, to_numpy
-from .embeddings import Embedding, PosEmbed
-from .layers import Block, Layer, LayerList, LayerNorm, Linear, zeros
-from .model import DTYPES, ConfigDict, ViT, ViTConfig, block_shapes
-
-# --------------------------------------------------------------------------------------------------
-# The joint space: L2 normalisation, the logits with a learned temperature, the symmetric InfoNCE loss
-# --------------------------------------------------------------------------------------------------
-
-
-def l2_normalize_forward(x, eps=1e-12):
-    """y = x / max(||x||, eps), over the last axis (PyTorch's F.normalize). x: (..., E).
-    Returns y (..., E) and the cache (y, the clamped norm)."""
-    xp = get_array_module(x)
-    norm = xp.sqrt((x * x).sum(-1, keepdims=True))           # (..., 1)
-    norm = xp.maximum(norm, eps)                             # a zero vector stays zero, no 0 / 0
-    return x / norm, (x / norm, norm, eps)
-
-
-def l2_normalize_backward(dout, cache):
-    """dx = (dy - y (y . dy)) / ||x||: only the part of dy across the sphere passes (the radial part,
-    along y, would change the length, which y forgets). Where ||x|| < eps, y = x / eps and dx = dy / eps."""
-    y, norm, eps = cache
-    xp = get_array_module(y)
-    radial = y * (y * dout).sum(-1, keepdims=True)            # (..., E)  the part of dout along y
-    return xp.where(norm > eps, (dout - radial) / norm, dout / eps)  # (..., E)
-
-
-def similarity_forward(img, txt, logit_scale):
-    """logits = exp(logit_scale) * img @ txt^T. img: (B, E), txt: (B', E), logit_scale: a 0-d array
-    (the log of the inverse temperature). Returns logits (B, B') and the cache."""
-    xp = get_array_module(img)
-    scale = xp.exp(logit_scale)                               # () 1 / temperature
-    logits = scale * (img @ txt.T)                            # (B, B')
-    return logits, (img, txt, scale, logits)
-
-
-def similarity_backward(dlogits, cache):
-    """d img = s dlogits txt,  d txt = s dlogits^T img,  d logit_scale = sum(dlogits * logits), s = exp(logit_scale):
-    d/dt (e^t cos) = e^t cos = logits, so the temperature's gradient is the logits weighted by dlogits."""
-    img, txt, scale, logits = cache
-    dimg = scale * (dlogits @ txt)                            # (B, E)
-    dtxt = scale * (dlogits.T @ img)                          # (B', E)
-    dlogit_scale = (dlogits * logits).sum()                   # ()
-    return dimg, dtxt, dlogit_scale
-
-
-def contrastive_loss(logits):
-    """CLIP's symmetric InfoNCE loss: the mean of the cross-entropy over rows (each image picks its text)
-    and over columns (each text picks its image), the right pair on the diagonal:
-        loss = (CE(logits, arange B) + CE(logits^T, arange B)) / 2
-        dlogits = ((softmax over each row - I) + (softmax over each column - I)) / (2 B)
-    logits: float (B, B), image i against text j. Returns (loss as a float, dlogits (B, B))."""
-    if not is_array(logits) or logits.ndim != 2 or logits.shape[0] != logits.shape[1]:
-        raise ValueError(f"logits must be a square (B, B) array of images against texts, got "
-                         f"{getattr(logits, 'shape', type(logits).__name__)}")
-    if logits.dtype.kind != "f":
-        raise TypeError(f"logits must be floating point, got dtype {logits.dtype}")
-    xp = get_array_module(logits)
-    B = logits.shape[0]
-    labels = xp.arange(B)                                     # (B,) the pair of row i is column i
-    loss_img, cache_img = F.cross_entropy_forward(logits, labels)       # image -> text, over each row
-    loss_txt, cache_txt = F.cross_entropy_forward(logits.T, labels)     # text -> image, over each column
-    dlogits = (F.cross_entropy_backward(cache_img) + F.cross_entropy_backward(cache_txt).T) / 2  # (B, B)
-    return float(loss_img + loss_txt) / 2, dlogits
-
-
-class L2Normalize(Layer):
-    """y = x / ||x|| over the last axis; no parameters."""
-
-    def forward(self, x):                                     # (B, E)
-        y, cache = l2_normalize_forward(x)
-        self.cache = cache if self.training else None
-        return y
-
-    def backward(self, dout):                                 # (B, E)
-        return l2_normalize_backward(dout, self._need_cache())
-
-
-class Similarity(Layer):
-    """logits = exp(logit_scale) I T^T, with logit_scale learned: the temperature of the softmax.
-    CLIP starts it at log(1 / 0.07) (logits up to 14.3 apart) and clamps it to [0, log 100] after every
-    step (``clamp``): a larger scale makes the loss sharper but lets it grow without bound on easy batches."""
-
-    MAX = math.log(100.0)
-
-    def __init__(self, init=math.log(1 / 0.07), dtype="float32"):
-        super().__init__()
-        self.params["logit_scale"] = backend_module().full((), init, dtype=dtype)   # () a 0-d array
-        self.grads["logit_scale"] = zeros((), dtype)
-
-    def forward(self, img, txt):                              # (B, E), (B', E) -> (B, B')
-        logits, cache = similarity_forward(img, txt, self.params["logit_scale"])
-        self.cache = cache if self.training else None
-        return logits
-
-    def backward(self, dlogits):                              # (B, B') -> (B, E), (B', E)
-        dimg, dtxt, dlogit_scale = similarity_backward(dlogits, self._need_cache())
-        self.grads["logit_scale"] += dlogit_scale
-        return dimg, dtxt
-
-    def clamp(self):
-        """logit_scale clipped to [0, log 100] in place: the temperature stays between 0.01 and 1."""
-        xp = get_array_module(self.params["logit_scale"])
-        xp.clip(self.params["logit_scale"], 0.0, self.MAX, out=self.params["logit_scale"])
-
+from .. import functional as F
+from ..backend import as_numpy, backend_of, get_array_module, host_rng, is_array
+from ..embeddings import Embedding, PosEmbed
+from ..layers import Block, Layer, LayerList, LayerNorm, Linear
+from ..model import DTYPES, ConfigDict, ViT, ViTConfig, block_shapes, check_img_size
+from .loss import L2Normalize, Similarity
 
 # --------------------------------------------------------------------------------------------------
 # The text tower
@@ -241,14 +129,7 @@ class CLIPConfig(ConfigDict):
                                     # minivit's tokenizers); an id: its first position (newer transformers configs)
 
     def __post_init__(self):
-        img = self.img_size
-        if isinstance(img, int) and not isinstance(img, bool):
-            img = (img, img)
-        elif isinstance(img, (tuple, list)) and len(img) == 2 and all(isinstance(v, int) for v in img):
-            img = tuple(img)
-        else:
-            raise ValueError(f"img_size must be an int or a pair (H, W) of ints, got {self.img_size!r}")
-        object.__setattr__(self, "img_size", img)
+        object.__setattr__(self, "img_size", check_img_size(self.img_size))   # (H, W), as the ViT's
         for name in ("embed_dim", "patch_size", "in_chans", "vision_width", "vision_layers", "vision_heads",
                      "context_length", "vocab_size", "text_width", "text_layers", "text_heads"):
             value = getattr(self, name)
@@ -388,7 +269,7 @@ class CLIP(Layer):
         """A CLIP with the weights of an open_clip CLIP's ``model.state_dict()`` (NumPy arrays or tensors).
         The head counts cannot be read from the weights (one packed in_proj matrix); every other size is
         inferred from the shapes. quick_gelu: the models were trained with QuickGELU (OpenAI's)."""
-        state = {k: _as_numpy(v) for k, v in state.items()}
+        state = {k: as_numpy(v) for k, v in state.items()}
         config = open_clip_config(state, vision_heads, text_heads, quick_gelu)
         return cls(config, dtype=dtype).load_state_dict(from_open_clip(state))
 
@@ -396,7 +277,7 @@ class CLIP(Layer):
     def from_pretrained(cls, folder, dtype="float32"):
         """A CLIP with the weights of a Hugging Face transformers CLIPModel folder (save_pretrained's:
         config.json and model.safetensors, sharded or not); see minivit.hf. Saving: minivit.hf.save_pretrained."""
-        from .hf import load_clip
+        from ..hf import load_clip
         kwargs, state, meta = load_clip(folder)
         model = cls(CLIPConfig(**kwargs), dtype=dtype).load_state_dict(state)
         if meta:
@@ -423,12 +304,6 @@ presets = {
 # --------------------------------------------------------------------------------------------------
 
 
-def _as_numpy(value):
-    if hasattr(value, "detach"):  # a torch tensor
-        value = value.detach().cpu().numpy()
-    return to_numpy(value).copy()
-
-
 _BLOCK_NAMES = [("norm1", "ln_1"), ("attn.qkv.weight", "attn.in_proj_weight"), ("attn.qkv.bias", "attn.in_proj_bias"),
                 ("attn.proj", "attn.out_proj"), ("norm2", "ln_2"), ("mlp.fc1", "mlp.c_fc"), ("mlp.fc2", "mlp.c_proj")]
 _TOP_NAMES = [("visual.norm_pre", "visual.ln_pre"), ("visual.norm.", "visual.ln_post."),
@@ -450,7 +325,7 @@ def to_open_clip(params_or_grads):
     The patch size is read from the patch projection's rows, P*P*3 (open_clip's images are RGB)."""
     out = {}
     for name, value in params_or_grads.items():
-        value = _as_numpy(value)
+        value = as_numpy(value)
         new = _rename(name, _TOP_NAMES)
         if ".resblocks." in new:
             head, rest = new.split(".resblocks.", 1)
@@ -483,7 +358,7 @@ def from_open_clip(state):
     inverse_block = [(b, a) for a, b in _BLOCK_NAMES]
     out = {}
     for name, value in state.items():
-        value = _as_numpy(value)
+        value = as_numpy(value)
         if name == "attn_mask" or name.endswith("attn_mask"):                # a buffer, not a parameter
             continue
         if name == "visual.conv1.weight":
@@ -534,84 +409,3 @@ def open_clip_config(state, vision_heads, text_heads, quick_gelu=False):
                       vision_heads=vision_heads, context_length=state["positional_embedding"].shape[0],
                       vocab_size=V, text_width=TW, text_layers=layers("transformer.resblocks."),
                       text_heads=text_heads, mlp_ratio=mlp, gelu="quick" if quick_gelu else "erf")
-
-
-# --------------------------------------------------------------------------------------------------
-# Zero-shot classification and retrieval
-# --------------------------------------------------------------------------------------------------
-
-
-@contextmanager
-def _eval_mode(model):
-    """Run the body with model in eval mode (no caches, no dropout), then restore its mode."""
-    was = model.training
-    model.eval()
-    try:
-        yield
-    finally:
-        model.train(was)
-
-
-def encode_texts(model, tokenizer, texts, batch_size=500):
-    """Normalised text features (n, E) of n captions, in eval mode, batch_size at a time."""
-    xp = get_array_module(model.params["logit_scale"])
-    feats = []
-    with _eval_mode(model):
-        for start in range(0, len(texts), batch_size):
-            tokens = asarray(tokenizer(texts[start:start + batch_size]), backend=model.backend)   # (b, L)
-            feats.append(l2_normalize_forward(model.encode_text(tokens))[0])                      # (b, E)
-    return xp.concatenate(feats)
-
-
-def encode_images(model, images, batch_size=500):
-    """Normalised image features (n, E) of float images (n, H, W, C), in eval mode."""
-    xp = get_array_module(model.params["logit_scale"])
-    feats = []
-    with _eval_mode(model):
-        for start in range(0, images.shape[0], batch_size):
-            feats.append(l2_normalize_forward(model.encode_image(images[start:start + batch_size]))[0])
-    return xp.concatenate(feats)
-
-
-def zero_shot_classifier(model, tokenizer, classnames, templates):
-    """The zero-shot weights (E, K): for each class, its prompts (each template with "{}" filled with the
-    class name) encoded and normalised, their mean normalised again, as CLIP does. An image's class is
-    then argmax over k of I @ weights (I its normalised features)."""
-    if isinstance(classnames, str) or isinstance(templates, str) or not classnames or not templates:
-        raise ValueError("classnames and templates must be non-empty lists of str (a template has one '{}')")
-    bad = [t for t in templates if t.count("{}") != 1]
-    if bad:
-        raise ValueError(f"each template must hold exactly one '{{}}' for the class name, got {bad}")
-    xp = get_array_module(model.params["logit_scale"])
-    columns = []
-    for name in classnames:
-        feats = encode_texts(model, tokenizer, [t.format(name) for t in templates])    # (T, E) normalised
-        columns.append(l2_normalize_forward(feats.mean(0))[0])                          # (E,)
-    return xp.stack(columns, axis=1)                                                    # (E, K)
-
-
-def zero_shot_predict(model, classifier, images, batch_size=500):
-    """Class indices (n,) of float images (n, H, W, C): argmax of I @ classifier."""
-    return (encode_images(model, images, batch_size) @ classifier).argmax(-1)
-
-
-def retrieval_recall(image_features, text_features, ks=(1, 5)):
-    """Recall@k both ways for n pairs (image i with text i), from features (n, E) (normalised or not:
-    the ranking is by cosine similarity). image_to_text@k: the fraction of images whose own text is among
-    the k most similar texts; text_to_image@k likewise. Returns {"image_to_text@1": ..., ...}."""
-    if image_features.shape != text_features.shape or image_features.ndim != 2:
-        raise ValueError(f"image and text features must be two (n, E) arrays of the same shape, got "
-                         f"{tuple(image_features.shape)} and {tuple(text_features.shape)}")
-    xp = get_array_module(image_features)
-    img = l2_normalize_forward(image_features)[0]
-    txt = l2_normalize_forward(text_features)[0]
-    sim = img @ txt.T                                         # (n, n) image i against text j
-    n = sim.shape[0]
-    own = sim[xp.arange(n), xp.arange(n)]                     # (n,) each pair's own similarity
-    rank_i2t = (sim > own[:, None]).sum(1)                    # (n,) texts ranked above image i's own
-    rank_t2i = (sim > own[None, :]).sum(0)                    # (n,) images ranked above text j's own
-    out = {}
-    for k in ks:
-        out[f"image_to_text@{k}"] = float((rank_i2t < k).mean())
-        out[f"text_to_image@{k}"] = float((rank_t2i < k).mean())
-    return out

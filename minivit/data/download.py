@@ -1,4 +1,5 @@
-"""Downloading and unpacking data set files: the one place that touches the network.
+"""Downloading and unpacking data set files: the one place that touches the network (the data sets' room
+for it; ``minivit.download`` is its old name).
 
 Used by ``data_scripts/download_cifar10.py`` and ``data_scripts/download_fashion_mnist.py``.
 The rules it keeps:

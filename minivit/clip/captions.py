@@ -1,4 +1,5 @@
-"""Text for CLIP: a word-level tokenizer, and data sets of (image, caption) pairs that work offline.
+"""Text for CLIP (its room for captions; ``minivit.captions`` is its old name): a word-level tokenizer, OpenAI's
+byte-level BPE, and data sets of (image, caption) pairs that work offline.
 
     tok = Tokenizer.from_captions(data.text_train, context_length=16)
     tokens = tok(["a small red circle", "a blue ring on the left"])   # int64 (2, 16)
@@ -8,7 +9,7 @@ Token ids, as CLIP lays them out: 0 is <pad>, 1 <unk>, 2 <start>, then the words
 context length); the text tower reads the features at the <end> token, found as the argmax of the ids.
 
 Data sets (``load_captioned(name)``):
-- "shapes": minivit's procedural shapes (data.py) drawn in one of six named colours, small or large, on
+- "shapes": minivit's procedural shapes (minivit.data.synthetic) drawn in one of six named colours, small or large, on
   the left or the right, each image with one caption made from those attributes in one of several
   phrasings ("a small red triangle on the left", "the ring is blue", ...). Some colour-shape
   combinations (HELD_OUT) never occur in training: zero-shot on them asks whether the model composes
@@ -27,8 +28,9 @@ from dataclasses import dataclass
 
 import numpy
 
-from . import data as D
-from .backend import host_rng
+from .. import data as D
+from ..backend import host_rng
+from ..data.synthetic import _draw_shape_images
 
 PAD, UNK, START, END = "<pad>", "<unk>", "<start>", "<end>"
 _WORD = re.compile(r"[a-z0-9]+(?:[-'][a-z0-9]+)*|[^\sa-z0-9]")   # words (with inner - or '), or one sign
@@ -301,7 +303,7 @@ def _draw_captioned_shapes(n, rng, S, allowed):
     lo = numpy.where(side == 0, radius, middle + 1.5)                          # (n,) centre x from lo to hi
     hi = numpy.where(side == 0, middle - 1.5, S - radius)
     cx = lo + rng.uniform(0, 1, size=n) * numpy.maximum(hi - lo, 0)            # (n,)
-    images = D._draw_shape_images(shape, rng, S, fg=fg.reshape(n, 1, 1, 3).astype(numpy.float32),
+    images = _draw_shape_images(shape, rng, S, fg=fg.reshape(n, 1, 1, 3).astype(numpy.float32),
                                   radius=radius.reshape(n, 1, 1).astype(numpy.float32),
                                   cx=cx.reshape(n, 1, 1).astype(numpy.float32))
     names = list(SIZES)

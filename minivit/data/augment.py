@@ -1,4 +1,5 @@
-"""Batch augmentation on the backend's arrays (NumPy on the CPU, CuPy on the GPU).
+"""Batch augmentation on the backend's arrays (NumPy on the CPU, CuPy on the GPU): the data sets' room for
+what is done to a batch on its way to the model (``minivit.augment`` is its old name).
 
 Every function takes a whole batch x (B, H, W, C) and works on all its images at once: random crops are
 gathers with index arrays, erasing is a mask built by broadcasting, RandAugment applies each operation to
@@ -16,7 +17,7 @@ Glossary: B batch, H, W, C image height, width, channels, K classes.
 
 import math
 
-from minivit.backend import get_array_module
+from ..backend import get_array_module
 
 POLICIES = ("none", "standard", "randaug")
 
