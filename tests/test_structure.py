@@ -44,7 +44,12 @@ LEVELS = [
     ("clip_train",),                # CLIP's task for the trainer: its data, batches, step (on R ranks too), evaluation
     ("convert",),                   # published checkpoints (timm, JAX) and from_pretrained: above the model
     ("viz", "plot"),                # pictures: attention maps and patches, training curves
-    ("train", "predict", "check"),  # what a person runs: the trainer and the other command lines
+    ("train.config",),              # the trainer's settings: TrainConfig, the recipes, resolve, the flags' parser
+    ("train.run_folder",),          # the run folder: its lock, metrics, summary, atomic writes, resume's checks
+    ("train.tasks",),               # what a run trains, one interface: the classifier here, CLIP in clip_train
+    ("train.loop",),                # train(): set_up, run_loop, evaluate_and_save, finish; signals; main
+    ("train", "predict", "check"),  # what a person runs: the trainer (train/__init__.py) and the other command lines
+    ("train.__main__",),            # python -m minivit.train
 ]
 LEVEL = {name: i for i, names in enumerate(LEVELS) for name in names}
 PACKAGE_LEVEL = len(LEVELS)         # ``import minivit`` from inside it: the package imports everything
@@ -160,7 +165,7 @@ MODULES = ["amp", "augment", "backend", "checkpoint", "conv", "convert", "data",
 
 @pytest.mark.parametrize("name", MODULES + ["ops", "check"])
 def test_every_module_is_an_attribute(name):
-    if not (PACKAGE / f"{name}.py").exists():
+    if not (PACKAGE / f"{name}.py").exists() and not (PACKAGE / name / "__init__.py").exists():
         pytest.skip(f"minivit/{name}.py does not exist (yet)")
     module = getattr(minivit, name)
     assert isinstance(module, types.ModuleType) and module.__name__ == f"minivit.{name}"
