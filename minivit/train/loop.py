@@ -39,6 +39,11 @@ from .run_folder import (_append_jsonl, _naming_path, _summary_of_a_finished_run
                          resume_config, settle_replaced, unlock_out, write_summary)
 from .tasks import check_labels, task_type
 
+# --------------------------------------------------------------------------------------------------
+# What train() returns or raises, the optimizer it builds, the signals that stop it
+# --------------------------------------------------------------------------------------------------
+
+
 class TrainingDiverged(RuntimeError):
     """The loss, the validation loss or a parameter became NaN or infinite after `step` optimizer steps
     had run (`step` is the 0-based index of the step whose loss was not finite); the checkpoint of the
@@ -121,6 +126,7 @@ def non_finite_params(model):
     return [name for name, ok in zip(names, finite) if not ok]
 
 
+# --------------------------------------------------------------------------------------------------
 # The run: set_up, run_loop, evaluate_and_save, finish
 # --------------------------------------------------------------------------------------------------
 
@@ -475,7 +481,14 @@ def _describe(cfg, model, given_model):
     return f"{name}: D={c.embed_dim}, depth={c.depth}, patch={c.patch_size}, img={c.img_size}"
 
 
+# --------------------------------------------------------------------------------------------------
+# The command line (python -m minivit.train: __main__.py); its flags are config._parser's
+# --------------------------------------------------------------------------------------------------
+
+
 def main(argv=None):
+    """Parse the flags, train, print one line of error (exit 1: diverged; 2: a refused setting or a file
+    problem; 128 + signal: stopped at once) or the result (0; 130 or 143 when a signal stopped it cleanly)."""
     parser = _parser()
     cfg = TrainConfig(**vars(parser.parse_args(argv)))
     unset = object()                               # a default no flag can give: what is left is on the command line

@@ -211,6 +211,11 @@ def settle_replaced(out, failed=False):
           f"checkpoint", flush=True)
 
 
+# --------------------------------------------------------------------------------------------------
+# Resuming: the run's settings and data checked, its state put back
+# --------------------------------------------------------------------------------------------------
+
+
 def _resume_folder(cfg):
     """cfg.out, with "{dataset}" replaced: by cfg.dataset, or with fallback by the first data set the run
     may have fallen back to whose folder holds a checkpoint."""
@@ -351,25 +356,6 @@ def restore(run, resumed, before, applied):
               f"{_cadence(before)})", flush=True)
 
 
-def _summary_of_a_finished_run(run):
-    """A finished run resumed trains no step: its summary.json is kept as it is (rewritten, it said 0 img/s)
-    and returned; None when this run trained, or there is no readable summary to keep."""
-    path = None if run.cfg.out is None else os.path.join(run.cfg.out, "summary.json")
-    if run.step != run.start_step or run.step == 0 or path is None or not os.path.isfile(path):
-        return None
-    try:
-        with open(path) as f:
-            summary = json.load(f)
-    except (OSError, ValueError):
-        return None
-    if not isinstance(summary, dict) or summary.get("steps") != run.step:
-        return None
-    if run.cfg.verbose:
-        print(f"the run in {run.cfg.out} had already finished its {run.step} steps: nothing trained, its summary "
-              f"kept (to train on, resume with a larger --max-steps or --epochs)", flush=True)
-    return summary
-
-
 def check_resume_flags(cfg, given):
     """resume_config cannot tell a flag given with its default's value (--dataset cifar10) from no flag;
     main can: such a flag that differs from the run's own setting is refused, as resume_config refuses the
@@ -390,6 +376,30 @@ def check_resume_flags(cfg, given):
         raise ValueError(f"--resume continues the run in {os.path.dirname(path)} with its own settings, and these "
                          f"differ from them: {'; '.join(refused)}; to change them, start a new run (another --out, "
                          f"or --overwrite)")
+
+
+# --------------------------------------------------------------------------------------------------
+# The summary
+# --------------------------------------------------------------------------------------------------
+
+
+def _summary_of_a_finished_run(run):
+    """A finished run resumed trains no step: its summary.json is kept as it is (rewritten, it said 0 img/s)
+    and returned; None when this run trained, or there is no readable summary to keep."""
+    path = None if run.cfg.out is None else os.path.join(run.cfg.out, "summary.json")
+    if run.step != run.start_step or run.step == 0 or path is None or not os.path.isfile(path):
+        return None
+    try:
+        with open(path) as f:
+            summary = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(summary, dict) or summary.get("steps") != run.step:
+        return None
+    if run.cfg.verbose:
+        print(f"the run in {run.cfg.out} had already finished its {run.step} steps: nothing trained, its summary "
+              f"kept (to train on, resume with a larger --max-steps or --epochs)", flush=True)
+    return summary
 
 
 def write_summary(out, summary, history):

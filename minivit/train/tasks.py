@@ -112,6 +112,11 @@ def _move_aside_damaged_cifar10(root):
             return
 
 
+# --------------------------------------------------------------------------------------------------
+# The classifier: its model, batches, step and evaluation
+# --------------------------------------------------------------------------------------------------
+
+
 def build_model(cfg, data, resumed=None):
     """The ViT for cfg and this data set: the preset, the overrides, and the data's channels and classes.
     resumed: a checkpoint to continue, whose saved config is used (its weights are loaded later)."""
@@ -147,7 +152,7 @@ def build_model(cfg, data, resumed=None):
 
 
 def batch_for_step(step, cfg, data_x, data_y, steps_per_epoch, mean, std, dtype, num_classes, world=None):
-    """The augmented batch of optimizer step `step`: a function of (seed, step) only (see the module doc).
+    """The augmented batch of optimizer step `step`: a function of (seed, step) only (see minivit/train/__init__.py).
     data_x: uint8 (N, H, W, C) on the backend; data_y: int64 (N,) on the backend. world: the communicator
     of several ranks (minivit/distributed.py), or None: rank r takes rows [r b, (r + 1) b) of the global
     batch, b = B / R, and augments them from its own stream of (seed, step, r).
@@ -271,6 +276,11 @@ def check_labels(data, num_classes=None):
         if y.size and (y.min() < 0 or y.max() >= K):
             raise ValueError(f"{data.name}: {split} must be in [0, {K}) for {K} classes, "
                          f"got values from {y.min()} to {y.max()}")
+
+
+# --------------------------------------------------------------------------------------------------
+# The task interface (see the module docstring)
+# --------------------------------------------------------------------------------------------------
 
 
 class ClassificationTask:
