@@ -1,9 +1,10 @@
 """CLIP's task for the trainer: ``python -m minivit.train --task clip`` (or ``--recipe clip-shapes``).
 
-minivit/train.py runs it with its own set_up, run_loop, evaluate_and_save and finish (progress bar,
+minivit/train/loop.py runs it with its own set_up, run_loop, evaluate_and_save and finish (progress bar,
 metrics.jsonl, summary.json, atomic checkpoints, exact resume, every flag checked): this file gives
 only what differs from training a classifier, the data, the model, the batch, the step and the
-evaluation. One optimizer step (CLIPTask.train_step):
+evaluation, behind the task interface of minivit/train/tasks.py (ClassificationTask is the other one).
+One optimizer step (CLIPTask.train_step):
 
     x, tokens = the pairs of batch_indices(step)   # (B, H, W, C), (B, L): no caption twice in a batch
     logits = model.forward(x, tokens)              # (B, B) = exp(logit_scale) I T^T
@@ -29,12 +30,12 @@ and every rank computes the same figures from all of them (recall@k ranks each p
 import dataclasses
 import math
 
-from . import backend, distributed
+from . import backend, distributed, ops
 from .clip import (CLIP, CLIPConfig, contrastive_loss, encode_images, encode_texts, presets, retrieval_recall,
                    similarity_backward, similarity_forward, zero_shot_classifier)
 from .clip.captions import CAPTIONED_DATASETS, Tokenizer, batch_indices, caption_ids, load_captioned, tokenizer_for
 from .data import augment as A
-from .optim import clip_grad_norm
+from .optim import AdamW, clip_grad_norm
 
 # The trainer's options CLIP's task has no use for, with the one value each may take (None: not given).
 # The model is a preset of minivit.clip.presets (--model), sized to the data set's images and vocabulary.
@@ -85,18 +86,38 @@ def build_model(cfg, data, resumed=None):
 
 
 class CLIPTask:
-    """What a Run of --task clip needs beyond the classifier's: the tokens of every caption on the backend,
-    the batches, the step and the evaluation. run: train.Run, its data on the backend already (run.x_test:
-    this rank's share of the test images, all of them in one process); run.world, run.dp: its ranks."""
+    """The task of a Run of --task clip (the interface of minivit/train/tasks.py): the tokens of every caption
+    on the backend, the batches, the step and the evaluation. run: train.loop.Run, its data on the backend
+    already (run.x_test: this rank's share of the test images, all of them in one process); run.world,
+    run.dp: its ranks. resumed: the checkpoint the run continues, whose tokenizer it keeps."""
 
     # the figures of the last evaluation that summary.json repeats
     SUMMARY = ("zero_shot_accuracy", "zero_shot_seen", "zero_shot_held_out", "image_to_text@1", "text_to_image@1", "image_to_text@5",
                "text_to_image@5", "eval_pairs", "logit_scale")
+    ACCURACY = "zero-shot"      # what val_acc is: "final zero-shot accuracy" in the last line of the command line
 
-    def __init__(self, run, tokenizer=None):
+    @staticmethod
+    def load_data(cfg):
+        """(the CaptionedDataset, cfg unchanged)."""
+        return load_data(cfg), cfg
+
+    @staticmethod
+    def check_data(cfg, data):
+        """Nothing to refuse beyond check_config's: a captioned data set has its classes (for zero-shot)."""
+
+    @staticmethod
+    def build_model(cfg, data, resumed=None):
+        return build_model(cfg, data, resumed)
+
+    @staticmethod
+    def label_classes(model):
+        """None: CLIP has no head; the labels (zero-shot's answers) are checked against the data's classes."""
+        return None
+
+    def __init__(self, run, resumed=None):
         self.run, data = run, run.data
         L = run.model.config.context_length
-        self.tokenizer = tokenizer or tokenizer_for(data, L)
+        self.tokenizer = (None if resumed is None else self.tokenizer_of(resumed)) or tokenizer_for(data, L)
         if self.tokenizer.vocab_size != run.model.config.vocab_size:
             raise ValueError(f"the tokenizer has {self.tokenizer.vocab_size} ids but the model's vocab_size is "
                              f"{run.model.config.vocab_size}")
@@ -194,9 +215,10 @@ class CLIPTask:
         saved = (resumed["meta"].get("extra") or {}).get("tokenizer")
         return None if saved is None else Tokenizer.from_dict(saved)
 
-    def announce_forward(self):
-        """One forward in eval mode on two pairs (no caches, no dropout: the run is unchanged), so that
-        minivit/ops.py checks every fast twin the model uses before the first step."""
+    def announce_ops(self):
+        """Which ops run from kernels.py and which from functional.py, as lines to print: one forward in eval
+        mode on two pairs (no caches, no dropout: the run is unchanged) makes minivit/ops.py check every fast
+        twin the model uses before the first step; the lines say which ops ran so far, not per layer."""
         run = self.run
         was = run.model.training
         try:
@@ -204,6 +226,9 @@ class CLIPTask:
             run.model.eval().forward(x, self.tokens_train[:2])
         finally:
             run.model.train(was)
+        if isinstance(run.optimizer, AdamW):       # the fused update's twin, checked now as well
+            ops.uses_twin("adamw", next(iter(run.model.params.values())))
+        return ops.summary_lines()
 
 
 def global_batch_backward(model, comm, x, tokens):

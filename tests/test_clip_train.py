@@ -1,4 +1,4 @@
-"""CLIP through the trainer (--task clip: minivit/clip_train.py run by minivit/train.py's own loop): a tiny
+"""CLIP through the trainer (--task clip: minivit/clip_train.py run by minivit/train/loop.py): a tiny
 run's files and summary, Ctrl-C then resume equal bit for bit to an uninterrupted run, and bad flags
 refused by name before any file is written."""
 

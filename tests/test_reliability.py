@@ -85,7 +85,7 @@ def test_a_diverged_run_keeps_the_last_finite_checkpoint_and_names_its_step(tmp_
     # the third evaluation's result: the step at which a real run at a huge learning rate first overflows
     # depends on the last bits of every product (BLAS, the fast kernels), and this test is about what the
     # trainer does then, not about when. (test_train.py diverges a run for real.)
-    import minivit.train as trainer
+    import minivit.train.tasks as trainer               # where the classifier's task finds evaluate
 
     real_evaluate, calls = trainer.evaluate, []
 

@@ -369,7 +369,7 @@ def test_bf16_safetensors_are_widened_and_integer_ones_refused_by_name(tmp_path)
 def test_a_second_signal_during_the_save_stops_at_once_in_one_line(tmp_path, capsys, monkeypatch, name):
     import signal
 
-    import minivit.train as T
+    import minivit.train.loop as T                          # where run_loop finds evaluate_and_save
 
     signum, save = getattr(signal, name), T.evaluate_and_save
 

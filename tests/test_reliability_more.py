@@ -220,7 +220,7 @@ def test_the_lock_of_a_dead_process_is_taken_over_saying_so(tmp_path, capsys):
 
 
 def test_overwrite_keeps_the_old_run_until_the_new_one_has_a_checkpoint(tmp_path, monkeypatch, capsys):
-    import minivit.train as trainer
+    import minivit.train.tasks as trainer               # where the classifier's task finds train_step
     from minivit.train import TrainConfig, train
 
     cfg = TrainConfig(dataset="shapes", train_subset=64, embed_dim=16, depth=1, num_heads=2, batch_size=32,
@@ -250,17 +250,17 @@ def test_a_run_refused_late_leaves_no_empty_out_behind(tmp_path):
     out = tmp_path / "new"
     cfg = trainer.TrainConfig(dataset="shapes", train_subset=64, embed_dim=16, depth=1, num_heads=2,
                               batch_size=32, max_steps=2, progress=False, verbose=True, out=str(out))
-    real = trainer.announce_ops
+    real = trainer.tasks.announce_ops
 
     def failing(*args, **kwargs):                    # a failure after the folder was made, before the first step
         raise ValueError("late")
 
-    trainer.announce_ops = failing
+    trainer.tasks.announce_ops = failing
     try:
         with pytest.raises(ValueError, match="late"):
             trainer.train(cfg)
     finally:
-        trainer.announce_ops = real
+        trainer.tasks.announce_ops = real
     assert not out.exists()
 
 

@@ -51,14 +51,18 @@ LEVELS = [
     ("clip_train",),                # CLIP's task for the trainer: its data, batches, step (on R ranks too), evaluation
     ("convert",),                   # published checkpoints (timm, JAX) and from_pretrained: above the model
     ("viz", "plot"),                # pictures: attention maps and patches, training curves
-    ("train", "predict"),           # what a person runs: the trainer and the prediction command line
+    ("train.config",),              # the trainer's settings: TrainConfig, the recipes, resolve, the flags' parser
+    ("train.run_folder",),          # the run folder: its lock, metrics, summary, atomic writes, resume's checks
+    ("train.tasks",),               # what a run trains, one interface: the classifier here, CLIP in clip_train
+    ("train.loop",),                # train(): set_up, run_loop, evaluate_and_save, finish; signals; main
+    ("train", "predict"),           # what a person runs: the trainer (train/__init__.py) and the prediction command
     ("check.report",),              # minivit.check's rows, table and diagnoses; replaced()
     ("check.compare",),             # the comparisons every check is made of; the textbook forwards
     ("check.walk", "check.overfit"),  # the model walk (run_model); a tiny ViT overfit on one batch
     ("check.ops",),                 # one check per op, OPS, run (the "model" op walks its layers)
     ("check.command",),             # python -m minivit.check's argument parsing and output
     ("check",),                     # check/__init__.py: the public API, gathered from the modules above
-    ("check.__main__",),            # python -m minivit.check
+    ("check.__main__", "train.__main__"),  # python -m minivit.check, python -m minivit.train
 ]
 LEVEL = {name: i for i, names in enumerate(LEVELS) for name in names}
 PACKAGE_LEVEL = len(LEVELS)         # ``import minivit`` from inside it: the package imports everything

@@ -61,8 +61,8 @@ def test_out_none_writes_no_file(tmp_path, monkeypatch):
     def no_writes(*args, **kw):
         raise AssertionError("train(out=None) tried to write a file")
 
-    for name in ("save_checkpoint", "_append_jsonl", "_write_json_atomic"):
-        monkeypatch.setattr(T, name, no_writes)
+    for module, name in ((T.loop, "save_checkpoint"), (T.loop, "_append_jsonl"), (T.run_folder, "_write_json_atomic")):
+        monkeypatch.setattr(module, name, no_writes)
     result = train(TrainConfig(**TINY, max_steps=4, num_evals=2, out=None), data=tiny_data())
     assert os.listdir(tmp_path) == [] and result.out is None
     assert len(result.history) == 2 and result.summary["steps"] == 4
