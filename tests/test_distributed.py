@@ -681,10 +681,17 @@ def test_command_line_on_two_ranks_stops_once_on_sigterm(tmp_path):
            "--max-steps", "100000", "--eval-every", "3", "--eval-batch-size", "1000", "--out", str(out)]
     job = subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
-    while not (out / "metrics.jsonl").exists() and time.monotonic() < deadline and job.poll() is None:
+    metrics = out / "metrics.jsonl"
+    while not (metrics.exists() and metrics.read_text().count("\n")) and time.monotonic() < deadline \
+            and job.poll() is None:
         time.sleep(0.2)
     job.send_signal(signal.SIGTERM)
-    stdout, stderr = job.communicate(timeout=60)
+    try:
+        stdout, stderr = job.communicate(timeout=90)
+    except subprocess.TimeoutExpired:
+        job.kill()
+        stdout, stderr = job.communicate()
+        pytest.fail(f"the job went on 90 s after SIGTERM; its last output:\n{stdout[-1500:]}\n{stderr[-1500:]}")
     assert job.returncode == 143, stdout + stderr
     summary = json.load(open(out / "summary.json"))
     assert summary["interrupted"] and summary["signal"] == "SIGTERM" and summary["world_size"] == 2

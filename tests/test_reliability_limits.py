@@ -390,6 +390,33 @@ def test_a_second_signal_during_the_save_stops_at_once_in_one_line(tmp_path, cap
     assert T.main(["--out", str(out), "--resume", "--max-steps", "4", "--no-progress"]) == 0
 
 
+def test_sigterm_while_the_run_is_set_up_stops_at_once_and_frees_the_folder(tmp_path, capsys, monkeypatch):
+    """A scheduler's SIGTERM can come before the loop's handler is in place (the folder locked, the data still
+    loading): the run stops at once with exit 143 and one line, and the next run finds the folder free."""
+    import signal
+
+    import minivit.train.loop as T
+
+    out = tmp_path / "run"
+    assert T.main([*TINY_FLAGS, "--max-steps", "2", "--out", str(out)]) == 0
+    set_up = T._set_up_out_and_device
+
+    def terminated_during_set_up(*args):                   # the folder is locked by now
+        assert (out / ".lock").exists()
+        os.kill(os.getpid(), signal.SIGTERM)               # was: the default action, death with the lock left behind
+        return set_up(*args)
+
+    monkeypatch.setattr(T, "_set_up_out_and_device", terminated_during_set_up)
+    capsys.readouterr()
+    assert T.main(["--out", str(out), "--resume", "--max-steps", "4", "--no-progress"]) == 128 + signal.SIGTERM
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: SIGTERM: stopped at once; {out / 'checkpoint.npz'}, if there is one, is whole (written "
+                   f"atomically): continue from it with --resume"]
+    assert not (out / ".lock").exists() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    monkeypatch.setattr(T, "_set_up_out_and_device", set_up)
+    assert T.main(["--out", str(out), "--resume", "--max-steps", "4", "--no-progress"]) == 0
+
+
 def test_a_resume_on_ranks_that_do_not_divide_its_batch_is_told_which_counts_do(tmp_path, capsys, monkeypatch):
     import types
 

@@ -486,6 +486,11 @@ def _describe(cfg, model, given_model):
 # --------------------------------------------------------------------------------------------------
 
 
+def _stop_at_once(signum, frame):
+    """SIGTERM while the run is being set up (before the loop can finish a step and save): stop now."""
+    raise SecondSignal(signum)
+
+
 def main(argv=None):
     """Parse the flags, train, print one line of error (exit 1: diverged; 2: a refused setting or a file
     problem; 128 + signal: stopped at once) or the result (0; 130 or 143 when a signal stopped it cleanly)."""
@@ -494,6 +499,10 @@ def main(argv=None):
     unset = object()                               # a default no flag can give: what is left is on the command line
     parser.set_defaults(**{f.name: unset for f in dataclasses.fields(TrainConfig)})
     given = [name for name, value in vars(parser.parse_args(argv)).items() if value is not unset]
+    try:                               # until the loop's own handler (_StopFlag): SIGTERM stops at once, as Ctrl-C
+        before_loop = signal.signal(signal.SIGTERM, _stop_at_once)   # does, releasing the folder's lock (exit 143)
+    except ValueError:                 # not the main thread: no handler
+        before_loop = None
     try:
         if cfg.resume and cfg.out is not None:
             check_resume_flags(cfg, given)
@@ -514,6 +523,9 @@ def main(argv=None):
                                            f"(written atomically): continue from it with --resume")
         print(f"error: {signal.Signals(signum).name}: stopped at once{kept}", file=sys.stderr)
         return 128 + signum
+    finally:
+        if before_loop is not None:
+            signal.signal(signal.SIGTERM, before_loop)
     s = result.summary
     if s["final_val_accuracy"] is not None:
         print(f"done: {s['steps']} steps in {s['wall_seconds']:.0f} s ({s['images_per_second']:.0f} img/s); "
