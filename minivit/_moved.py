@@ -11,7 +11,12 @@ import importlib.abc
 import importlib.util
 import sys
 
-MOVED = {}   # "minivit.<old>" -> "minivit.<sub>.<new>"
+MOVED = {   # "minivit.<old>" -> "minivit.<sub>.<new>"
+    "minivit.amp": "minivit.fast.amp",
+    "minivit.kernels": "minivit.fast.kernels",   # its names that moved on to fast.cpu, .cuda, .attention too
+    "minivit.ops": "minivit.fast.ops",
+    "minivit.ops_report": "minivit.fast.report",
+}
 
 
 class _Alias(importlib.abc.MetaPathFinder, importlib.abc.Loader):

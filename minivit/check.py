@@ -2,7 +2,7 @@
 
 For each op (or only the named ones) it checks, on small random inputs:
   forward    the layer class as it stands against the functional pairs composed by hand (float64), and
-             the functional pair against its fast kernel in minivit/kernels.py where there is one: an
+             the functional pair against its fast kernel in minivit/fast/kernels.py where there is one: an
              independent second implementation, float32, so compared on float32 copies at float32 tolerance;
   gradients  every input and parameter gradient against central differences (minivit.gradcheck, float64);
 and prints a table (op, what was compared, relative error, ok / WRONG), exiting 1 on any WRONG. A WRONG row
@@ -50,7 +50,7 @@ from pathlib import Path
 import numpy as np
 
 from . import functional as F
-from . import kernels
+from .fast import kernels
 from . import layers as L
 from .augment import normalize
 from .backend import asarray, backend_of, get_array_module, host_rng, is_array, to_numpy
@@ -1304,7 +1304,7 @@ def main(argv=None):
     parser.add_argument("names", nargs="*", metavar="NAME", help="ops to check (default: all)")
     parser.add_argument("-v", "--verbose", action="store_true", help="show every gradient row of the composite ops")
     parser.add_argument("--no-kernels", action="store_true",
-                        help="leave out the comparison with minivit/kernels.py (when you changed the math on purpose)")
+                        help="leave out the comparison with minivit/fast/kernels.py (when you changed the math on purpose)")
     parser.add_argument("--model", metavar="FILE.py:FUNC",
                         help="check every layer of the model FUNC() builds (FUNC(dtype='float64') if it takes dtype), "
                              "instead of the ops")

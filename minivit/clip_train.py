@@ -196,7 +196,7 @@ class CLIPTask:
 
     def announce_forward(self):
         """One forward in eval mode on two pairs (no caches, no dropout: the run is unchanged), so that
-        minivit/ops.py checks every fast twin the model uses before the first step."""
+        minivit/fast/ops.py checks every fast twin the model uses before the first step."""
         run = self.run
         was = run.model.training
         try:

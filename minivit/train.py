@@ -46,8 +46,9 @@ import numpy
 from tqdm import tqdm
 
 from . import augment as A
-from . import backend, distributed, ops, stats
-from .amp import LossScaler
+from . import backend, distributed, stats
+from .fast import ops
+from .fast.amp import LossScaler
 from .checkpoint import (check_finite, load_checkpoint, remove_stale_temporaries, restore_dropout_rngs,
                          save_checkpoint, write_atomic)
 from .data import DATASETS, Dataset, load_dataset, resize_images
@@ -101,7 +102,7 @@ DEFAULT_RECIPE = {"cifar10": "fast", "fashion-mnist": "fashion-cpu", "shapes": "
 CLIP_RECIPE = {"shapes": "clip-shapes", "fashion-mnist": "clip-fashion"}   # --task clip's defaults
 TASKS = ("classify", "clip")            # clip: minivit/clip_train.py's batches, step and evaluation
 OPTIMIZERS = ("adamw", "sgd")
-PRECISIONS = ("float32", "float16")     # float16: mixed precision (minivit/amp.py)
+PRECISIONS = ("float32", "float16")     # float16: mixed precision (minivit/fast/amp.py)
 
 # --------------------------------------------------------------------------------------------------
 # Every setting, with its default, its --help and its choices in one place
@@ -478,7 +479,7 @@ def evaluate(model, x_test, y_test, mean, std, dtype, batch_size=500):
 
 
 def announce_ops(model, optimizer, images, mean, std, dtype, forward=True):
-    """Which ops will run from kernels.py and which from functional.py (minivit/ops.py), as lines to print,
+    """Which ops will run from kernels.py and which from functional.py (minivit/fast/ops.py), as lines to print,
     and a line for each group of layers that are your code (or where a kernel dropped out or stayed).
     One training forward and backward on a couple of images, recorded layer by layer (ops.report; the
     model's gradients, caches and random generators are put back, so the run itself is unchanged), makes
