@@ -291,6 +291,28 @@ def test_attention_layer_shows_its_weights_from_either_cache(rng, reference):
 
 
 @needs_numba
+@pytest.mark.parametrize("masked", [False, True])
+def test_attention_weights_of_the_fused_cache_hold_at_large_scores(masked):
+    """ops.attention_weights recomputes the fused forward's weights from the scores alone (max, exp, sum), as
+    the fused kernels do, not as exp(scale q.k - lse): lse is rounded at the size of the scores, so at scaled
+    scores of 1e6 (float32's spacing there: 0.0625) that route is off by up to 3% and its rows do not sum
+    to 1. Integer q and k, and hs = 4 (scale 1/2), make every score exact in float32, so the float64
+    reference is the answer."""
+    B, N, hs = 2, 6, 4
+    rng = np.random.default_rng(3)
+    q, k = (np.concatenate([np.full((B, N, 2), 1000.0), rng.integers(-3, 4, (B, N, 2))], -1) for _ in range(2))
+    v = rng.standard_normal((B, N, hs))
+    qkv = np.concatenate([q, k, v], -1).astype(np.float32)                 # q.k = 2e6 + small integers
+    mask = F.causal_mask(qkv) if masked else None
+    _, cache = ops.attention_forward(qkv, 1, mask)
+    assert isinstance(cache, kernels.AttentionCache)
+    _, cache64 = F.attention_forward(qkv.astype(np.float64), 1, mask)
+    weights, expected = ops.attention_weights(cache), F.attention_weights(cache64)   # (B, 1, N, N) each
+    np.testing.assert_allclose(weights.sum(-1), 1.0, atol=1e-5)
+    np.testing.assert_allclose(weights, expected, atol=1e-5)
+
+
+@needs_numba
 def test_empty_arrays_pass_through_the_kernels():
     for shape in [(0, 5), (3, 0), (2, 0, 4)]:
         x = np.zeros(shape, np.float32)

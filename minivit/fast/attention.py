@@ -207,3 +207,18 @@ def _attention_operands(qkv, num_heads, gpu):
     heads = cuda._cupy().ascontiguousarray(heads)
     return heads[0], heads[1], heads[2]
 
+
+def attention_weights(cache):
+    """The weights p = softmax(q k^T / sqrt(hs) + mask), (B, nh, N, N), that the fused forward used,
+    recomputed from its AttentionCache as its row kernel makes them: from the raw scores q.k alone (max,
+    exp, sum), not as exp(scale q.k - lse), which cancels at large scores (see the note above)."""
+    qkv, lse, num_heads, mask = cache
+    xp = cuda._cupy() if cuda._is_cupy(qkv) else numpy
+    q, k, _ = _three_heads(qkv, num_heads)                       # (B, nh, N, hs) each
+    scale = f32(1.0 / math.sqrt(q.shape[-1]))
+    s = xp.matmul(q, k.swapaxes(-1, -2))                         # (B, nh, N, N)  raw scores q.k
+    m = _mask_in_score_units(mask, scale, xp)                    # (N, N) or None
+    if m is not None:
+        s = s + m                                                # -inf where masked: weight 0
+    p = xp.exp((s - s.max(-1, keepdims=True)) * scale)           # subtract, then scale: the max's term is 1
+    return p / p.sum(-1, keepdims=True)                          # (B, nh, N, N)

@@ -31,7 +31,7 @@ import math
 import numpy
 
 from . import attention, cpu, cuda
-from .attention import AttentionCache  # noqa: F401  (ops.py asks for it here)
+from .attention import AttentionCache, attention_weights  # noqa: F401  (ops.py asks for these here)
 from .cpu import HAVE_NUMBA, f32, num_threads  # noqa: F401
 from .cuda import _is_cupy, dropout_keep_mask, sgd_update, tf32_enabled  # noqa: F401
 

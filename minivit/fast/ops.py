@@ -38,7 +38,6 @@ dropout, tanh, the loss): those have no twin. Dropout's mask on the GPU comes fr
 fast paths only through this module.
 """
 
-import math
 import os
 import sys
 import time
@@ -47,7 +46,7 @@ import warnings
 import numpy  # the probes' inputs are drawn on the host, then moved to the backend under test
 
 from .. import functional as F
-from ..backend import asarray, backend_of, get_array_module, to_numpy
+from ..backend import asarray, backend_of, to_numpy
 from . import kernels
 
 # --------------------------------------------------------------------------------------------------
@@ -382,17 +381,11 @@ def attention_backward(dout, cache):
 
 def attention_weights(cache):
     """The weights softmax(q k^T / sqrt(hs) + mask), (B, nh, N, N), from either forward's cache: kept by
-    functional.attention_forward, recomputed from the fused one's log-sum-exp (p_ij = exp(s_ij - lse_i))."""
+    functional.attention_forward, recomputed from the fused one's scores as its kernel makes them (max,
+    exp, sum; not exp(s_ij - lse_i), which cancels at large scores: kernels.attention_weights)."""
     if not isinstance(cache, kernels.AttentionCache):
         return F.attention_weights(cache)
-    qkv, lse, num_heads, mask = cache
-    q, k, _ = F.split_heads(qkv, num_heads)                   # each (B, nh, N, hs)
-    scale = 1.0 / math.sqrt(q.shape[-1])
-    xp = get_array_module(qkv)
-    scores = (q * scale) @ k.swapaxes(-1, -2)                 # (B, nh, N, N)
-    if mask is not None:
-        scores = scores + mask                                # exp(-inf) = 0: masked weights are 0
-    return xp.exp(scores - lse[..., None])                    # (B, nh, N, N)
+    return kernels.attention_weights(cache)
 
 
 def adamw_update(p, g, m, v, lr, beta1, beta2, eps, weight_decay, step):
