@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/probe_cost.py                # the demo recipe's model and batch, CPU
     .venv/bin/python benchmarks/probe_cost.py --repeats 20
 
-The first time an op runs for a dtype and backend, minivit/ops.py runs its functional.py pair and its
+The first time an op runs for a dtype and backend, minivit/fast/ops.py runs its functional.py pair and its
 kernels.py twin on a small probe input and compares them (see ops._probe). The figure that
 `python -m minivit.train` prints at its start ("... 538 ms in all") is the time of those first calls,
 which also holds the one-time cost of loading Numba's compiled kernels from its disk cache (or of

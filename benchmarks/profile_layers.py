@@ -177,7 +177,7 @@ def main(argv=None):
     ap.add_argument("--clock", default="wall", choices=["wall", "process"],
                     help="process: CPU time of the process, steadier on a busy machine (meaningful with one "
                          "thread: OPENBLAS_NUM_THREADS=1)")
-    ap.add_argument("--reference", action="store_true", help="turn the fast kernels off (minivit/kernels.py)")
+    ap.add_argument("--reference", action="store_true", help="turn the fast kernels off (minivit/fast/kernels.py)")
     args = ap.parse_args(argv)
     global CLOCK
     CLOCK = time.process_time if args.clock == "process" else time.perf_counter

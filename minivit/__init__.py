@@ -15,8 +15,8 @@ import importlib
 
 from . import _blas_env  # noqa: F401  (first: a setting NumPy's BLAS reads when NumPy is imported)
 from . import _moved  # (second: installs the old import paths of modules that moved into a subpackage)
-from . import amp, backend, checkpoint, conv, convert, embeddings, functional, kernels, layers, model, ops  # noqa: F401
-from . import optim  # noqa: F401
+from . import backend, checkpoint, conv, convert, embeddings, fast, functional, layers, model, optim  # noqa: F401
+from .fast import amp, kernels, ops  # noqa: F401  (also minivit.amp, .kernels, .ops: the same modules)
 from .backend import (asarray, backend_module, get_array_module, get_backend, gpu_available, set_backend,
                       to_numpy)
 from .checkpoint import load_model

@@ -2,7 +2,7 @@
 
 OpenBLAS keeps its idle threads spinning for about 0.1 s after each matrix product (2^28 cycles, its
 default), so that a product right after starts sooner. But a spinning thread holds a core: minivit's
-attention (minivit/kernels.py) runs its many small products on Python threads of its own, and with
+attention (minivit/fast/attention.py) runs its many small products on Python threads of its own, and with
 OpenBLAS's threads spinning beside them those threads got no second core at all (a training step of
 the CIFAR model on 2 cores: 395 ms; with OPENBLAS_THREAD_TIMEOUT=10, i.e. 2^10 cycles: 345 ms, and the
 large products just as fast).
@@ -13,7 +13,7 @@ starts its threads. So:
 - after NumPy (a script or a notebook that imports NumPy first), ``idle_blas_threads_sleep()`` sets it
   and then has OpenBLAS read its environment again (``openblas_read_env``) and stop its threads
   (``blas_thread_shutdown_``, what OpenBLAS itself does before a fork); the next product starts them
-  again, with the new timeout. kernels.py calls it before attention first shares its work among threads;
+  again, with the new timeout. fast/attention.py calls it before attention first shares its work among threads;
 - a value the caller put in the environment is kept, even a long one.
 """
 

@@ -12,9 +12,13 @@ import importlib.util
 import sys
 
 MOVED = {   # "minivit.<old>" -> "minivit.<sub>.<new>"
+    "minivit.amp": "minivit.fast.amp",
     "minivit.augment": "minivit.data.augment",
-    "minivit.download": "minivit.data.download",
     "minivit.captions": "minivit.clip.captions",
+    "minivit.download": "minivit.data.download",
+    "minivit.kernels": "minivit.fast.kernels",   # its names that moved on to fast.cpu, .cuda, .attention too
+    "minivit.ops": "minivit.fast.ops",
+    "minivit.ops_report": "minivit.fast.report",
 }
 
 

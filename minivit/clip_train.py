@@ -30,7 +30,8 @@ and every rank computes the same figures from all of them (recall@k ranks each p
 import dataclasses
 import math
 
-from . import backend, distributed, ops
+from . import backend, distributed
+from .fast import ops
 from .clip import (CLIP, CLIPConfig, contrastive_loss, encode_images, encode_texts, presets, retrieval_recall,
                    similarity_backward, similarity_forward, zero_shot_classifier)
 from .clip.captions import CAPTIONED_DATASETS, Tokenizer, batch_indices, caption_ids, load_captioned, tokenizer_for
@@ -217,8 +218,8 @@ class CLIPTask:
 
     def announce_ops(self):
         """Which ops run from kernels.py and which from functional.py, as lines to print: one forward in eval
-        mode on two pairs (no caches, no dropout: the run is unchanged) makes minivit/ops.py check every fast
-        twin the model uses before the first step; the lines say which ops ran so far, not per layer."""
+        mode on two pairs (no caches, no dropout: the run is unchanged) makes minivit/fast/ops.py check every
+        fast twin the model uses before the first step; the lines say which ops ran so far, not per layer."""
         run = self.run
         was = run.model.training
         try:

@@ -16,8 +16,8 @@ No numpy import here: ``xp = get_array_module(x)`` is numpy or cupy, whichever x
 
 This file is the definition: the math, and nothing that is there only for speed, except a few small
 tricks for speed or memory (one 2-D product over all rows, an in-place update), each with its reason in a
-comment. Some pairs have a fast twin in minivit/kernels.py (the same math fused into one pass, for
-float32). minivit/ops.py, the one place that chooses between the two, uses a twin only after checking,
+comment. Some pairs have a fast twin in minivit/fast/kernels.py (the same math fused into one pass, for
+float32). minivit/fast/ops.py, the one place that chooses between the two, uses a twin only after checking,
 in the running process, that it agrees with the pair written here. So an edit you make here is what
 runs (in float32 too, slower), and ops tells you once which op it then took from this file.
 """

@@ -14,7 +14,7 @@ An attention that computes its scores itself runs its own code instead, slower (
 import math
 
 from . import functional as F
-from . import ops
+from .fast import ops
 from .layers import Attention, ones
 
 

@@ -16,9 +16,9 @@ The contract every layer keeps:
   two backwards without it accumulate, which is how gradient accumulation works.
 
 Each layer calls its pair of functional.py, the math. For linear, LayerNorm, GELU and attention it calls
-it through minivit/ops.py, which may run a faster twin from minivit/kernels.py instead, but only one it
-has checked against functional.py as it stands (so an edit there is what runs). Whatever you write in a
-layer's forward or backward here, or in a layer class of your own, is what runs.
+it through the dispatch, minivit/fast/ops.py, which may run a faster twin from minivit/fast/ instead, but
+only one it has checked against functional.py as it stands (so an edit there is what runs). Whatever you
+write in a layer's forward or backward here, or in a layer class of your own, is what runs.
 
 How an image becomes tokens (PatchEmbed, PosEmbed, GridPosEmbed, Embedding) is in embeddings.py, built on these.
 """
@@ -26,7 +26,7 @@ How an image becomes tokens (PatchEmbed, PosEmbed, GridPosEmbed, Embedding) is i
 from collections.abc import MutableMapping
 
 from . import functional as F
-from . import kernels, ops
+from .fast import ops
 from .backend import asarray, backend_module, backend_of, get_array_module, host_rng, is_array
 
 
@@ -350,7 +350,7 @@ class Linear(Layer):
         if bias:
             self.params["bias"] = zeros((out_features,), dtype)                         # (out,)
             self.grads["bias"] = zeros((out_features,), dtype)
-        self.matmul_dtype = None  # "float16": mixed precision (set by model.set_matmul_dtype, minivit/amp.py)
+        self.matmul_dtype = None  # "float16": mixed precision (set by model.set_matmul_dtype, minivit/fast/amp.py)
 
     def forward(self, x):  # x: (..., in) -> (..., out)
         y, cache = ops.linear_forward(x, self.params["weight"], self.params.get("bias"), self.matmul_dtype)
@@ -423,7 +423,7 @@ class Dropout(Layer):
 
     The masks come from ``self.rng``, a host generator whose state checkpoints save, so a resumed run draws
     the same masks as an uninterrupted one. On the CPU it draws every value of the mask. On the GPU it
-    draws one seed per call and the GPU expands the seed into the mask (kernels.dropout_keep_mask: one
+    draws one seed per call and the GPU expands the seed into the mask (ops.dropout_keep_mask: one
     launch, no copy from the host). So a GPU run is reproducible on the GPU (same seed, same masks, resumed
     or not), but its masks are not the CPU run's: the two draw different random numbers."""
 
@@ -442,7 +442,7 @@ class Dropout(Layer):
         if backend_of(x) == "numpy":
             keep = self.rng.random(shape) >= self.p                              # (B, 1, 1) or x's shape
         else:
-            keep = kernels.dropout_keep_mask(shape, self.p, int(self.rng.integers(2 ** 63)))  # on the GPU
+            keep = ops.dropout_keep_mask(shape, self.p, int(self.rng.integers(2 ** 63)))      # on the GPU
         out, self.cache = F.dropout_forward(x, keep, self.p)
         return out
 

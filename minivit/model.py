@@ -369,7 +369,7 @@ class Classifier(Layer):
         return self
 
     def set_matmul_dtype(self, matmul_dtype):
-        """Mixed precision (minivit/amp.py): "float16" makes every Linear layer multiply in float16, the
+        """Mixed precision (minivit/fast/amp.py): "float16" makes every Linear layer multiply in float16, the
         parameters, gradients and everything else staying float32; None (or "float32") undoes it.
         Train with an amp.LossScaler, so that small gradients do not round to zero in float16."""
         if matmul_dtype == "float32":

@@ -16,7 +16,7 @@ tests/test_optim.py checks to 1e-12 in float64. Glossary for the math in the com
 import math
 import numbers
 
-from . import ops
+from .fast import ops
 from .backend import asarray, backend_of, get_array_module, to_numpy
 
 

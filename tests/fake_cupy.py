@@ -2,7 +2,7 @@
 or GPU speed: it computes with NumPy underneath.
 
 What it is for: no GPU exists on the development machines or in CI, so the Python that drives CuPy
-(kernels.py's launches, the optimizer, the trainer's step) would otherwise run for the first time on a GPU.
+(minivit/fast's launches, the optimizer, the trainer's step) would otherwise run for the first time on a GPU.
 Under this stand-in the real code paths run, and:
 - a device array refuses what CuPy refuses: implicit conversion to NumPy (``numpy.asarray(x)``), and mixing
   with host arrays in an operation (``device + host``); so host/device mixing fails here as it would there;
@@ -117,7 +117,7 @@ def _compute(name, fn, args, kwargs):
 class ndarray:
     """A device array: a NumPy array inside that the host may not touch without a counted transfer."""
 
-    __module__ = "cupy"           # as type(x).__module__ of a real CuPy array (kernels.py asks it)
+    __module__ = "cupy"           # as type(x).__module__ of a real CuPy array (minivit/fast/cuda.py asks it)
 
     __array_ufunc__ = None        # NumPy never computes with one (host + device -> our __radd__ -> TypeError)
     __array_priority__ = 1000
@@ -664,7 +664,9 @@ cuda = _module("cupy.cuda", is_available=lambda: True, get_current_stream=lambda
 @contextlib.contextmanager
 def installed():
     """minivit sees this module as CuPy (a "GPU") inside the block; the real state is put back after."""
-    from minivit import backend, kernels, ops
+    from minivit import backend
+    from minivit.fast import cuda as fast_cuda   # (cuda, here, is the stand-in's cupy.cuda)
+    from minivit.fast import ops
 
     special = _module("cupyx.scipy.special", erf=_scipy_erf)
     scipy_ = _module("cupyx.scipy", special=special)
@@ -672,10 +674,10 @@ def installed():
                "cupy.cuda.runtime": runtime, "cupyx": _module("cupyx", scipy=scipy_), "cupyx.scipy": scipy_,
                "cupyx.scipy.special": special}
     saved = {name: sys.modules.get(name) for name in modules}
-    state = (backend._cupy, backend._current, dict(kernels._compiled))
+    state = (backend._cupy, backend._current, dict(fast_cuda._compiled))
     sys.modules.update(modules)
     backend._cupy = None
-    kernels._compiled.clear()
+    fast_cuda._compiled.clear()
     ops.reset()
     COUNTS.reset()
     try:
@@ -687,6 +689,6 @@ def installed():
             else:
                 sys.modules[name] = module
         backend._cupy, backend._current = state[0], state[1]
-        kernels._compiled.clear()
-        kernels._compiled.update(state[2])
+        fast_cuda._compiled.clear()
+        fast_cuda._compiled.update(state[2])
         ops.reset()

@@ -1,4 +1,4 @@
-"""Mixed precision (minivit/amp.py): float16 Linear products, float32 master weights, dynamic loss scaling.
+"""Mixed precision (minivit/fast/amp.py): float16 Linear products, float32 master weights, dynamic loss scaling.
 
 The float16 path cannot be checked by central differences on itself (each forward rounds to 1e-3), so its
 gradients are compared with the float64 model's, which tests/test_gradcheck.py checks by differences:

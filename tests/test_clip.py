@@ -418,7 +418,7 @@ def test_a_tiny_clip_learns_to_match_its_pairs(rng):
     assert model.logit_scale != math.log(1 / 0.07)            # the temperature was learned too
 
 
-# ---- the fast paths of the new pairs (minivit/kernels.py), against the reference in float64 -------------
+# ---- the fast paths of the new pairs (minivit/fast/kernels.py), against the reference in float64 -------------
 
 needs_numba = pytest.mark.skipif(not kernels.HAVE_NUMBA, reason="the CPU fast paths need Numba")
 

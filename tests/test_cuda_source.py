@@ -1,11 +1,11 @@
-"""The CUDA source in minivit/kernels.py, compiled and checked without a GPU.
+"""The CUDA source in minivit/fast/cuda.py, compiled and checked without a GPU.
 
 On a GPU, CuPy compiles each kernel with NVRTC the first time it is launched, so a typo in the CUDA text
 would first show on a GPU machine, which CI does not have. NVRTC itself needs no GPU: the PyPI wheel
 nvidia-cuda-nvrtc-cu12 (requirements.txt) holds the library, and here it compiles, with the options CuPy
 passes (-ftz=true, the C++ standard, an architecture; CuPy 14 on an H200 uses compute_90):
-- ``kernels._ROW_SOURCE`` (the RawModule of the row kernels), for float and for double;
-- every ElementwiseKernel body kernels.py defines, inside a kernel declared as CuPy declares one (each
+- ``cuda._ROW_SOURCE`` (the RawModule of the row kernels), for float and for double;
+- every ElementwiseKernel body cuda.py defines, inside a kernel declared as CuPy declares one (each
   input parameter a ``const`` value, each output a reference, ``i`` the index), for float and double.
 The Python glue is read too: each row kernel it launches must be defined in the source and be given
 arguments of the right kinds (a device array for a pointer, numpy.int32 for an int, a scalar of the array's
@@ -22,7 +22,7 @@ import re
 
 import pytest
 
-from minivit import kernels
+from minivit.fast import cuda
 
 NVRTC_OPTIONS = ("-arch=compute_90", "-ftz=true", "--std=c++17")   # what CuPy adds for an H200 (sm_90)
 
@@ -71,11 +71,11 @@ def nvrtc_compile(source, name="minivit.cu", options=NVRTC_OPTIONS):
         NVRTC.nvrtcDestroyProgram(ctypes.byref(prog))
 
 
-# ---- what kernels.py defines and launches -----------------------------------------------------------
+# ---- what cuda.py defines and launches -----------------------------------------------------------
 
 def defined_kernels():
     """{name: [parameter type, ...]} of every ``extern "C" __global__ void name(...)`` in _ROW_SOURCE."""
-    found = re.findall(r'extern "C" __global__ void (\w+)\(([^)]*)\)', kernels._ROW_SOURCE)
+    found = re.findall(r'extern "C" __global__ void (\w+)\(([^)]*)\)', cuda._ROW_SOURCE)
     return {name: [" ".join(p.split()[:-1]) for p in params.split(",") if p.strip()] for name, params in found}
 
 
@@ -98,7 +98,7 @@ def _expected(param_type):
 
 def launched_kernels():
     """[(name, [argument kinds])] of every ``_launch_rows("name", rows, length, dtype, (args...))``."""
-    tree = ast.parse(inspect.getsource(kernels))
+    tree = ast.parse(inspect.getsource(cuda))
     calls = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "_launch_rows":
@@ -129,10 +129,10 @@ def test_the_launch_check_catches_a_wrong_argument_kind():
 
 
 def elementwise_kernels():
-    """[(name, in_params, out_params, body)] of every _elementwise(...) call in kernels.py: a name that is a
+    """[(name, in_params, out_params, body)] of every _elementwise(...) call in cuda.py: a name that is a
     local variable of the calling function is read from its assignment there, both branches of a body
     chosen by `a if cond else b` are taken, and a name made by an f-string is kept as written."""
-    tree = ast.parse(inspect.getsource(kernels))
+    tree = ast.parse(inspect.getsource(cuda))
     found = []
 
     def values(node, local):
@@ -141,7 +141,7 @@ def elementwise_kernels():
         if isinstance(node, ast.Constant):
             return [node.value]
         if isinstance(node, ast.Name):
-            return values(local[node.id], local) if node.id in local else [getattr(kernels, node.id)]
+            return values(local[node.id], local) if node.id in local else [getattr(cuda, node.id)]
         if isinstance(node, ast.JoinedStr):        # f"minivit_gelu_{approximate}_fwd"
             return [ast.unparse(node)]
         raise AssertionError(f"cannot read {ast.unparse(node)}")
@@ -182,14 +182,14 @@ def test_every_elementwise_kernel_is_found():
     names = {name.rsplit("_", 1)[0] for name, *_ in elementwise_kernels()}
     assert {"minivit_adamw", "minivit_sgd", "minivit_sgd_momentum", "minivit_keep_mask"} <= names
     bodies = {body for *_, body in elementwise_kernels()}
-    assert {kernels._GELU_ERF_FWD, kernels._GELU_ERF_BWD, kernels._GELU_TANH_FWD, kernels._GELU_TANH_BWD,
-            kernels._ADAMW_BODY, kernels._SGD_BODY, kernels._SGD_MOMENTUM_BODY, kernels._KEEP_MASK_BODY} <= bodies
+    assert {cuda._GELU_ERF_FWD, cuda._GELU_ERF_BWD, cuda._GELU_TANH_FWD, cuda._GELU_TANH_BWD,
+            cuda._ADAMW_BODY, cuda._SGD_BODY, cuda._SGD_MOMENTUM_BODY, cuda._KEEP_MASK_BODY} <= bodies
 
 
 @needs_nvrtc
 @pytest.mark.parametrize("T", ["float", "double"])
 def test_row_kernels_compile_with_nvrtc(T):
-    ok, log = nvrtc_compile(kernels._ROW_SOURCE % {"T": T}, "rows.cu")
+    ok, log = nvrtc_compile(cuda._ROW_SOURCE % {"T": T}, "rows.cu")
     assert ok, f"NVRTC failed on _ROW_SOURCE with T={T}:\n{log}"
 
 
@@ -206,7 +206,7 @@ def test_nvrtc_really_rejects_a_typo():
     """The compile tests can fail: a body with an undeclared name and a row source with a missing brace."""
     ok, log = nvrtc_compile("typedef float T;\n" + as_cupy_declares_it(0, "T x", "T y", "y = x * undeclared;"))
     assert not ok and "undeclared" in log
-    source, line = kernels._ROW_SOURCE % {"T": "float"}, "T m_raw = s[base];"
+    source, line = cuda._ROW_SOURCE % {"T": "float"}, "T m_raw = s[base];"
     assert line in source                                   # (else the brace below would go nowhere)
     ok, _ = nvrtc_compile(source.replace(line, line + "{", 1))
     assert not ok

@@ -1,6 +1,6 @@
-"""The fast twins (minivit/kernels.py) against the pairs of functional.py.
+"""The fast twins (minivit/fast/kernels.py) against the pairs of functional.py.
 
-For float32 arrays minivit/ops.py may run LayerNorm, GELU, softmax, attention, the Linear products and
+For float32 arrays minivit/fast/ops.py may run LayerNorm, GELU, softmax, attention, the Linear products and
 AdamW from minivit.kernels: Numba loops on the CPU, fused kernels on the GPU; attention, on both, in
 chunks of images, keeping only each row's log-sum-exp. They must compute the same function as the
 reference, so each twin is called here directly and compared with the functional pair evaluated in
@@ -16,7 +16,8 @@ import pytest
 import scipy.special
 
 import minivit
-from minivit import backend, kernels, ops
+from minivit import backend
+from minivit.fast import attention, cpu, cuda, kernels, ops
 from minivit import functional as F
 
 
@@ -64,7 +65,7 @@ def _vectorised(helper):
 
 @needs_numba
 def test_exp32_is_within_two_ulp_of_exp_over_the_float32_range(rng):
-    exp32 = _vectorised(kernels._exp32)
+    exp32 = _vectorised(cpu._exp32)
     x = np.concatenate([np.linspace(-87, 88, 2_000_001), rng.standard_normal(100_000) * 10,
                         [0.0, -0.0, 1e-30, -1e-8, 0.5 * np.log(2)]]).astype(np.float32)
     exact = np.exp(x.astype(np.float64))
@@ -76,7 +77,7 @@ def test_exp32_is_within_two_ulp_of_exp_over_the_float32_range(rng):
 
 @needs_numba
 def test_erf32_is_within_5e7_of_erf():
-    erf32 = _vectorised(kernels._erf32)
+    erf32 = _vectorised(cpu._erf32)
     x = np.concatenate([np.linspace(-7, 7, 1_400_001), [0.0, 1e-30, -1e-8, 3.9, 4.0, 4.1, 1e30, -1e30]])
     x = x.astype(np.float32)
     assert np.abs(erf32(x) - scipy.special.erf(x.astype(np.float64))).max() < 5e-7   # measured 4.2e-7
@@ -217,10 +218,10 @@ def test_fused_attention_takes_a_strided_qkv_and_chunks_of_any_size(rng, monkeyp
     dqkv64 = ref64(lambda d: F.attention_backward(d, cache64), dout)
     results = []
     for threaded in (False, True):                                         # one thread, or the chunks shared
-        monkeypatch.setattr(kernels, "THREADED_ATTENTION", threaded)
+        monkeypatch.setattr(attention, "THREADED_ATTENTION", threaded)
         monkeypatch.setenv("MINIVIT_NUM_THREADS", "2")
         for chunk_images in (1, 3, 7, 100):                                # chunks that do and do not divide B
-            monkeypatch.setattr(kernels, "CHUNK_BYTES", chunk_images * nh * N * N * 4)
+            monkeypatch.setattr(attention, "CHUNK_BYTES", chunk_images * nh * N * N * 4)
             out, cache = kernels.attention_forward(qkv, nh)
             dqkv = kernels.attention_backward(dout, cache)
             assert rel(out, out64) < 2e-6 and rel(dqkv, dqkv64) < 2e-6
@@ -232,29 +233,29 @@ def test_fused_attention_takes_a_strided_qkv_and_chunks_of_any_size(rng, monkeyp
 
 def test_attention_chunks_cover_the_batch_in_equal_shares():
     for B, nh, N, workers in [(64, 3, 65, 2), (7, 2, 9, 2), (1, 12, 197, 2), (5, 1, 4, 3), (64, 3, 65, 1)]:
-        chunks = kernels._chunks(B, nh, N, 4, workers, kernels.CHUNK_BYTES)
+        chunks = attention._chunks(B, nh, N, 4, workers, attention.CHUNK_BYTES)
         assert chunks[0][0] == 0 and chunks[-1][1] == B
         assert all(a[1] == b[0] for a, b in zip(chunks, chunks[1:]))      # contiguous, no overlap
         sizes = [b - a for a, b in chunks]
-        assert max(sizes) * nh * N * N * 4 <= max(kernels.CHUNK_BYTES, nh * N * N * 4)
+        assert max(sizes) * nh * N * N * 4 <= max(attention.CHUNK_BYTES, nh * N * N * 4)
         if workers > 1 and B >= workers:
             assert len(chunks) % workers == 0 or len(chunks) == B
     # the GPU's budget: ViT-B/16 at batch 128 (12 heads, 197 tokens) in one chunk, one worker
-    assert kernels._chunks(128, 12, 197, 4, 1, kernels.GPU_CHUNK_BYTES) == [(0, 128)]
-    assert len(kernels._chunks(512, 12, 197, 4, 1, kernels.GPU_CHUNK_BYTES)) == 4
+    assert attention._chunks(128, 12, 197, 4, 1, attention.GPU_CHUNK_BYTES) == [(0, 128)]
+    assert len(attention._chunks(512, 12, 197, 4, 1, attention.GPU_CHUNK_BYTES)) == 4
 
 
 def test_threaded_attention_is_chosen_only_when_blas_threads_sleep(monkeypatch):
     from minivit import _blas_env
 
     monkeypatch.setenv("MINIVIT_NUM_THREADS", "2")
-    monkeypatch.setattr(kernels, "THREADED_ATTENTION", None)
+    monkeypatch.setattr(attention, "THREADED_ATTENTION", None)
     monkeypatch.setattr(_blas_env, "idle_blas_threads_sleep", lambda: False)
-    assert kernels._attention_workers() == 1
+    assert attention._attention_workers() == 1
     monkeypatch.setattr(_blas_env, "idle_blas_threads_sleep", lambda: True)
-    assert kernels._attention_workers() == (min(2, kernels.num_threads()) if kernels.threadpoolctl else 1)
-    monkeypatch.setattr(kernels, "THREADED_ATTENTION", False)
-    assert kernels._attention_workers() == 1
+    assert attention._attention_workers() == (min(2, kernels.num_threads()) if attention.threadpoolctl else 1)
+    monkeypatch.setattr(attention, "THREADED_ATTENTION", False)
+    assert attention._attention_workers() == 1
 
 
 @needs_numba
@@ -265,7 +266,7 @@ def test_fused_attention_on_numpy_never_asks_for_cupy(rng, monkeypatch):
         raise AssertionError("CuPy was asked for with NumPy arrays")
 
     for name in ("_cupy", "_launch_rows"):
-        monkeypatch.setattr(kernels, name, no_cupy)
+        monkeypatch.setattr(cuda, name, no_cupy)
     qkv = rng.standard_normal((2, 9, 3 * 8)).astype(np.float32)
     out, cache = kernels.attention_forward(qkv, 2)
     dqkv = kernels.attention_backward(np.ones_like(out), cache)
@@ -287,6 +288,28 @@ def test_attention_layer_shows_its_weights_from_either_cache(rng, reference):
     att.eval()
     att.forward(x)
     assert att.attn is None
+
+
+@needs_numba
+@pytest.mark.parametrize("masked", [False, True])
+def test_attention_weights_of_the_fused_cache_hold_at_large_scores(masked):
+    """ops.attention_weights recomputes the fused forward's weights from the scores alone (max, exp, sum), as
+    the fused kernels do, not as exp(scale q.k - lse): lse is rounded at the size of the scores, so at scaled
+    scores of 1e6 (float32's spacing there: 0.0625) that route is off by up to 3% and its rows do not sum
+    to 1. Integer q and k, and hs = 4 (scale 1/2), make every score exact in float32, so the float64
+    reference is the answer."""
+    B, N, hs = 2, 6, 4
+    rng = np.random.default_rng(3)
+    q, k = (np.concatenate([np.full((B, N, 2), 1000.0), rng.integers(-3, 4, (B, N, 2))], -1) for _ in range(2))
+    v = rng.standard_normal((B, N, hs))
+    qkv = np.concatenate([q, k, v], -1).astype(np.float32)                 # q.k = 2e6 + small integers
+    mask = F.causal_mask(qkv) if masked else None
+    _, cache = ops.attention_forward(qkv, 1, mask)
+    assert isinstance(cache, kernels.AttentionCache)
+    _, cache64 = F.attention_forward(qkv.astype(np.float64), 1, mask)
+    weights, expected = ops.attention_weights(cache), F.attention_weights(cache64)   # (B, 1, N, N) each
+    np.testing.assert_allclose(weights.sum(-1), 1.0, atol=1e-5)
+    np.testing.assert_allclose(weights, expected, atol=1e-5)
 
 
 @needs_numba
@@ -331,13 +354,13 @@ def test_threads_give_the_same_numbers(rng, monkeypatch):
         return (out, *kernels.layernorm_backward(dout, cache), g, kernels.gelu_backward(dout, gcache), s,
                 kernels.softmax_backward(dout, s), a, acache[1], kernels.attention_backward(dout, acache))
 
-    monkeypatch.setattr(kernels, "PARALLEL_MIN", 1 << 40)                  # every kernel on one core
+    monkeypatch.setattr(cpu, "PARALLEL_MIN", 1 << 40)                  # every kernel on one core
     one = run()
-    monkeypatch.setattr(kernels, "PARALLEL_MIN", 0)                        # every kernel's prange version,
+    monkeypatch.setattr(cpu, "PARALLEL_MIN", 0)                        # every kernel's prange version,
     monkeypatch.setenv("MINIVIT_NUM_THREADS", "1")                         # on one thread
     assert all(np.array_equal(a, b_) for a, b_ in zip(one, run()))
     monkeypatch.setenv("MINIVIT_NUM_THREADS", "2")                         # and on two
-    monkeypatch.setattr(kernels, "THREADED_ATTENTION", True)               # attention's chunks on 2 threads
+    monkeypatch.setattr(attention, "THREADED_ATTENTION", True)               # attention's chunks on 2 threads
     import numba
 
     assert kernels.num_threads() == min(2, numba.config.NUMBA_NUM_THREADS)
@@ -518,7 +541,7 @@ def test_gpu_fused_attention_takes_a_strided_qkv_and_chunks_of_any_size(rng, mon
     dqkv64 = ref64(lambda d: F.attention_backward(d, cache64), dout)
     qkv = cp.asarray(wide)[..., 2:2 + 3 * D]                               # not contiguous
     for chunk_images in (1, 3, 7, 100):                                    # chunks that do and do not divide B
-        monkeypatch.setattr(kernels, "GPU_CHUNK_BYTES", chunk_images * nh * N * N * 4)
+        monkeypatch.setattr(attention, "GPU_CHUNK_BYTES", chunk_images * nh * N * N * 4)
         out, cache = kernels.attention_forward(qkv, nh)
         dqkv = kernels.attention_backward(cp.asarray(dout), cache)
         assert rel(out, out64) < 5e-6 and rel(dqkv, dqkv64) < 1e-5, chunk_images
@@ -606,7 +629,7 @@ def test_kernels_can_be_called_from_several_python_threads_at_once(rng, monkeypa
     same time; the kernels serialise their parallel launches, so threaded callers get the right numbers."""
     from concurrent.futures import ThreadPoolExecutor
 
-    monkeypatch.setattr(kernels, "PARALLEL_MIN", 0)                         # every call the parallel one
+    monkeypatch.setattr(cpu, "PARALLEL_MIN", 0)                         # every call the parallel one
     xs = [rng.standard_normal((16, 65, 96)).astype(np.float32) for _ in range(8)]
     expected = [kernels.gelu_forward(x)[0] for x in xs]
     with ThreadPoolExecutor(4) as pool:

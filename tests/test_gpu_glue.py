@@ -21,7 +21,7 @@ import pytest
 
 import minivit
 from minivit import functional as F
-from minivit import kernels, ops
+from minivit.fast import cuda, kernels, ops
 from minivit.amp import LossScaler
 from minivit.optim import SGD, AdamW, clip_grad_norm
 
@@ -74,11 +74,11 @@ def test_a_raw_kernel_launch_with_a_wrong_argument_kind_is_refused(gpu):
     cp = sys.modules["cupy"]
     x = cp.asarray(np.ones((2, 4), np.float32))
     y = cp.empty_like(x)
-    kernels._launch_rows("softmax_fwd", 2, 4, x.dtype, (x, y, np.int32(4)))       # right
+    cuda._launch_rows("softmax_fwd", 2, 4, x.dtype, (x, y, np.int32(4)))       # right
     with pytest.raises(TypeError, match="numpy.int32"):
-        kernels._launch_rows("softmax_fwd", 2, 4, x.dtype, (x, y, 4))             # a Python int: wrong
+        cuda._launch_rows("softmax_fwd", 2, 4, x.dtype, (x, y, 4))             # a Python int: wrong
     with pytest.raises(TypeError, match="float32"):
-        kernels._launch_rows("softmax_fwd", 2, 4, x.dtype, (x, cp.empty((2, 4), np.float64), np.int32(4)))
+        cuda._launch_rows("softmax_fwd", 2, 4, x.dtype, (x, cp.empty((2, 4), np.float64), np.int32(4)))
 
 
 # ---- the optimizers: one launch per parameter ----------------------------------------------------------
@@ -123,9 +123,9 @@ def test_an_sgd_step_is_one_launch_per_parameter_and_the_functional_rule(gpu, ne
 
 def test_a_disagreeing_optimizer_twin_is_not_used(gpu, monkeypatch):
     """The GPU update is probed against functional.py like every twin: a wrong one runs the rule instead."""
-    monkeypatch.setattr(kernels, "_ADAMW_BODY", kernels._ADAMW_BODY.replace("(1 - b1)", "(1 - b2)")
+    monkeypatch.setattr(cuda, "_ADAMW_BODY", cuda._ADAMW_BODY.replace("(1 - b1)", "(1 - b2)")
                         .replace("one_minus_b1 * g", "one_minus_b2 * g"))
-    kernels._compiled.pop("minivit_adamw", None)
+    cuda._compiled.pop("minivit_adamw", None)
     model = small_model()
     fill_grads(model)
     with pytest.warns(ops.FastPathDisagrees, match="adamw"):
@@ -230,7 +230,7 @@ def test_row_kernels_are_looked_up_once_and_an_empty_last_axis_works(gpu):
     cp = sys.modules["cupy"]
     for _ in range(3):
         kernels.softmax_forward(cp.asarray(np.ones((2, 3), np.float32)))
-    module = kernels._compiled[("rows", "float")]
+    module = cuda._compiled[("rows", "float")]
     assert module.get_function_calls == 1
     empty = cp.asarray(np.zeros((2, 3, 0), np.float32))
     out, cache = kernels.softmax_forward(empty)

@@ -1,4 +1,4 @@
-"""minivit/ops.py: the code a student edits is the code that runs.
+"""minivit/fast/ops.py: the code a student edits is the code that runs.
 
 A fast twin from kernels.py runs in place of a functional.py pair only after ops has checked, in the
 running process, that it agrees with the pair as it stands. Here functional.py is edited the way a

@@ -29,10 +29,13 @@ LEVELS = [
     ("memory",),                    # bytes available, checked before a reader allocates: imports nothing of minivit
     ("backend",),                   # NumPy or CuPy: the only module that knows CuPy
     ("functional",),                # the math: pure forward/backward pairs
-    ("kernels",),                   # the fast kernels, each named like the pair it replaces
-    ("ops_report",),                # what each layer of a model ran, recorded (ops.report(model) calls it)
-    ("ops",),                       # the table that chooses, per op, between functional and kernels
-    ("layers", "amp"),              # the building blocks over the pairs; mixed precision's loss scaler
+    ("fast.cpu", "fast.cuda"),      # the fast kernels' rooms: Numba loops; CUDA source and cuBLAS
+    ("fast.attention",),            # fused attention over both rooms, in chunks, the N x N weights never kept
+    ("fast.kernels",),              # the twins, each named like the pair it replaces (old minivit.kernels)
+    ("fast.report",),               # what each layer of a model ran, recorded (ops.report(model) calls it)
+    ("fast.ops",),                  # the dispatch: chooses, per op, between functional and fast.kernels
+    ("fast",),                      # minivit/fast/__init__.py: the subpackage's map, imports nothing
+    ("layers", "fast.amp"),         # the building blocks over the pairs; mixed precision's loss scaler
     ("conv", "embeddings", "layer_examples",  # convolution pairs and layers...; how an image becomes tokens
      "clip.loss"),                  # (PatchEmbed, PosEmbed, GridPosEmbed, Embedding); layers a student might write;
                                     # CLIP's joint space and contrastive loss (on one rank of R too)
@@ -191,8 +194,8 @@ def test_the_checker_reads_subpackages(tmp_path):
 # --------------------------------------------------------------------------------------------------
 
 
-MODULES = ["amp", "augment", "backend", "checkpoint", "conv", "convert", "data", "download", "embeddings", "functional",
-           "kernels", "layers", "model", "optim", "plot", "predict", "resnet", "stats", "train", "viz"]
+MODULES = ["amp", "augment", "backend", "checkpoint", "conv", "convert", "data", "download", "embeddings", "fast",
+           "functional", "kernels", "layers", "model", "optim", "plot", "predict", "resnet", "stats", "train", "viz"]
 
 
 @pytest.mark.parametrize("name", MODULES + ["ops", "check", "clip", "captions"])
@@ -225,6 +228,41 @@ def test_every_old_import_path_resolves(old):
     assert new.__name__ == MOVED[old]
 
 
+# Every top-level name of minivit/kernels.py before issue 30 split it into minivit/fast/'s rooms
+OLD_KERNELS_NAMES = """
+    AttentionCache CHUNK_BYTES GPU_CHUNK_BYTES HAVE_NUMBA PARALLEL_MIN ROWS_PER_GROUP THREADED_ATTENTION
+    _ADAMW_BODY _ADAMW_PARAMS _C_INV_SQRT_2 _C_INV_SQRT_2PI _C_QUICK _C_SQRT_2_OVER_PI _E0 _E1 _E2 _E3 _E4
+    _E5 _ERF_P _ERF_Q _EXP_C _FASTMATH _GELU_ERF_BWD _GELU_ERF_FWD _GELU_QUICK_BWD _GELU_QUICK_FWD
+    _GELU_TANH_BWD _GELU_TANH_FWD _INV_SQRT_2 _INV_SQRT_2PI _KEEP_MASK_BODY _LN2_HI _LN2_LO _LOG2E _P0 _P1
+    _P2 _P3 _P4 _P5 _P6 _Q0 _Q1 _Q2 _Q3 _Q4 _ROW_SOURCE _SGD_BODY _SGD_MOMENTUM_BODY _SQRT_2_OVER_PI _adamw
+    _attention_operands _attention_workers _batch_layout _blas_control _blas_env _chunk_pool _chunks
+    _compiled _cupy _elementwise _erf32 _exp32 _flat _fused_attention_backward _fused_attention_forward
+    _gelu_cpu _gelu_erf_bwd _gelu_erf_fwd _gelu_quick_bwd _gelu_quick_fwd _gelu_tanh_bwd _gelu_tanh_fwd
+    _gpu_layernorm_backward _gpu_layernorm_forward _gpu_matmul _gpu_rows _gpu_softmax_backward
+    _gpu_softmax_forward _gpu_softmax_lse _gpu_softmax_lse_bwd _heads _in_thread _inline _is_cupy _jit
+    _kernel _launch_rows _layernorm_backward_cpu _layernorm_bwd _layernorm_forward_cpu _layernorm_fwd
+    _mask_in_score_units _parallel_lock _row_kernel _row_max _rows _run_chunks _scaled_softmax_row
+    _softmax_backward_cpu _softmax_bwd _softmax_forward_cpu _softmax_fwd _softmax_lse _softmax_lse_bwd
+    _tanh32 _threads_set _three_heads _use_threads adamw_update attention_backward attention_forward
+    dropout_keep_mask f32 gelu_backward gelu_forward layernorm_backward layernorm_forward linear_backward
+    linear_forward math num_threads numba numpy os prange sgd_update softmax_backward softmax_forward
+    supports_adamw supports_sgd tf32_enabled threading threadpoolctl types
+""".split()
+
+
+def test_the_old_kernels_module_still_offers_every_name_it_had():
+    """minivit.kernels is minivit.fast.kernels; a name that moved on to fast.cpu, .cuda or .attention is
+    found there (a setting, such as CHUNK_BYTES, is read in its room: set it there)."""
+    import minivit.kernels as kernels
+    from minivit.fast import attention
+
+    missing = [name for name in OLD_KERNELS_NAMES if not hasattr(kernels, name)]
+    assert not missing, f"minivit.kernels lost {missing}"
+    assert kernels.CHUNK_BYTES == attention.CHUNK_BYTES and kernels._chunks is attention._chunks
+    with pytest.raises(AttributeError, match="no attribute 'not_a_kernel'"):
+        kernels.not_a_kernel
+
+
 def test_gradcheck_is_the_function_and_unknown_names_are_refused():
     assert minivit.gradcheck is importlib.import_module("minivit.gradcheck").gradcheck   # as the README calls it
     with pytest.raises(AttributeError, match="no attribute 'trian'"):
@@ -239,7 +277,7 @@ def readme_names():
 
 def test_the_readme_finds_names():
     names = readme_names()
-    assert {"minivit.ViT", "minivit.convert.to_timm", "minivit.amp.LossScaler"} <= set(names), names
+    assert {"minivit.ViT", "minivit.convert.to_timm", "minivit.fast.amp.LossScaler"} <= set(names), names
 
 
 @pytest.mark.parametrize("dotted", readme_names())
@@ -254,7 +292,7 @@ def test_each_name_the_readme_shows_resolves(dotted):
 def test_import_minivit_stays_light():
     """`import minivit` loads none of what only training, data sets or pictures need: those come with
     minivit.train, minivit.data, minivit.viz..., the first time they are named. (Numba, and SciPy with it,
-    do load: layers -> ops -> kernels, since issue 12.)"""
+    do load: layers -> fast.ops -> fast.kernels -> fast.cpu, since issue 12.)"""
     heavy = ("matplotlib", "PIL", "tqdm")
     code = ("import sys, minivit; "
             f"print(' '.join(m for m in {heavy!r} if m in sys.modules))")

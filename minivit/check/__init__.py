@@ -2,7 +2,7 @@
 
 For each op (or only the named ones) it checks, on small random inputs:
   forward    the layer class as it stands against the functional pairs composed by hand (float64), and
-             the functional pair against its fast kernel in minivit/kernels.py where there is one: an
+             the functional pair against its fast kernel in minivit/fast/kernels.py where there is one: an
              independent second implementation, float32, so compared on float32 copies at float32 tolerance;
   gradients  every input and parameter gradient against central differences (minivit.gradcheck, float64);
 and prints a table (op, what was compared, relative error, ok / WRONG), exiting 1 on any WRONG. A WRONG row

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from .. import functional as F
-from .. import kernels
+from ..fast import kernels
 from .. import layers as L
 from ..backend import asarray, backend_of, get_array_module, host_rng, to_numpy
 from ..gradcheck import gradcheck

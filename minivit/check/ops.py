@@ -9,7 +9,7 @@ import numpy as np
 from .. import conv
 from .. import embeddings as E
 from .. import functional as F
-from .. import kernels
+from ..fast import kernels
 from .. import layers as L
 from ..conv import ConvStem
 from ..backend import asarray, backend_of, get_array_module, host_rng, to_numpy

@@ -61,7 +61,7 @@ DEFAULT_RECIPE = {"cifar10": "fast", "fashion-mnist": "fashion-cpu", "shapes": "
 CLIP_RECIPE = {"shapes": "clip-shapes", "fashion-mnist": "clip-fashion"}   # --task clip's defaults
 TASKS = ("classify", "clip")            # clip: minivit/clip_train.py's batches, step and evaluation
 OPTIMIZERS = ("adamw", "sgd")
-PRECISIONS = ("float32", "float16")     # float16: mixed precision (minivit/amp.py)
+PRECISIONS = ("float32", "float16")     # float16: mixed precision (minivit/fast/amp.py)
 
 # --------------------------------------------------------------------------------------------------
 # Every setting, with its default, its --help and its choices in one place

@@ -26,7 +26,7 @@ import numpy
 from tqdm import tqdm
 
 from .. import backend, distributed, stats
-from ..amp import LossScaler
+from ..fast.amp import LossScaler
 from ..checkpoint import save_checkpoint
 from ..data import Dataset, resize_images
 from ..memory import check_fits, size_text

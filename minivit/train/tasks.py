@@ -30,7 +30,8 @@ from contextlib import nullcontext
 import numpy
 
 from ..data import augment as A
-from .. import backend, distributed, ops
+from .. import backend, distributed
+from ..fast import ops
 from ..data import DATASETS, load_dataset
 from ..functional import cross_entropy, cross_entropy_backward, cross_entropy_forward
 from ..memory import check_fits
@@ -198,7 +199,7 @@ def evaluate(model, x_test, y_test, mean, std, dtype, batch_size=500):
 
 
 def announce_ops(model, optimizer, images, mean, std, dtype):
-    """Which ops will run from kernels.py and which from functional.py (minivit/ops.py), as lines to print,
+    """Which ops will run from kernels.py and which from functional.py (minivit/fast/ops.py), as lines to print,
     and a line for each group of layers that are your code (or where a kernel dropped out or stayed).
     One training forward and backward on a couple of images, recorded layer by layer (ops.report; the
     model's gradients, caches and random generators are put back, so the run itself is unchanged), makes

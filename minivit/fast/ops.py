@@ -1,4 +1,5 @@
-"""Which code runs each op: the math of functional.py, or the fast twin in kernels.py, once it is known to agree.
+"""The dispatch: which code runs each op, the math of functional.py or its fast twin in kernels.py (minivit/fast/),
+once it is known to agree.
 
 functional.py defines every op and is written to be read and changed; kernels.py computes some of them
 faster, for float32 (one fused pass instead of several). This module is the one place that chooses, by
@@ -10,7 +11,7 @@ agree with the pair's to float32 precision. So:
 - edit a pair in functional.py (or replace it: ``minivit.functional.gelu_forward = my_gelu``) and your
   version is what runs, in float32 as in float64. One warning (FastPathDisagrees) names the op and by how
   much the twin differed; ``report()`` lists what ran from where, and ``report(model)`` what each layer
-  of the model runs: its own code, functional.py's pair, or a named kernel (minivit/ops_report.py).
+  of the model runs: its own code, functional.py's pair, or a named kernel (minivit/fast/report.py).
 - float64 always runs functional.py: the gradient checks and the parity tests see the math as written.
 - ``set_fast_kernels(False)`` (or the environment variable MINIVIT_FAST_KERNELS=0) runs functional.py
   for every op, e.g. to step through it in a debugger.
@@ -32,10 +33,11 @@ functional.py (every name it defines), so a pair replaced while the process runs
                                                                                               | no momentum
 
 Layers call these functions for the ops above, and functional.py directly for the others (patches,
-dropout, tanh, the loss): those have no twin.
+dropout, tanh, the loss): those have no twin. Dropout's mask on the GPU comes from here too
+(dropout_keep_mask: a random number generator, nothing to check it against), so layers.py reaches the
+fast paths only through this module.
 """
 
-import math
 import os
 import sys
 import time
@@ -43,9 +45,9 @@ import warnings
 
 import numpy  # the probes' inputs are drawn on the host, then moved to the backend under test
 
-from . import functional as F
+from .. import functional as F
+from ..backend import asarray, backend_of, to_numpy
 from . import kernels
-from .backend import asarray, backend_of, get_array_module, to_numpy
 
 # --------------------------------------------------------------------------------------------------
 # On or off
@@ -298,7 +300,7 @@ _PROBES = {"linear": _probe_linear, "layernorm": _probe_layernorm, "gelu": _prob
 
 
 def linear_forward(x, weight, bias=None, matmul_dtype=None):
-    """functional.linear_forward. matmul_dtype="float16" asks for the mixed-precision twin (minivit/amp.py):
+    """functional.linear_forward. matmul_dtype="float16" asks for the mixed-precision twin (minivit/fast/amp.py):
     checked like the others, at float16's tolerance, and taken whatever set_fast_kernels says (you asked
     for it); if it disagrees with functional.py, functional.py runs in float32."""
     if matmul_dtype is not None:
@@ -379,17 +381,11 @@ def attention_backward(dout, cache):
 
 def attention_weights(cache):
     """The weights softmax(q k^T / sqrt(hs) + mask), (B, nh, N, N), from either forward's cache: kept by
-    functional.attention_forward, recomputed from the fused one's log-sum-exp (p_ij = exp(s_ij - lse_i))."""
+    functional.attention_forward, recomputed from the fused one's scores as its kernel makes them (max,
+    exp, sum; not exp(s_ij - lse_i), which cancels at large scores: kernels.attention_weights)."""
     if not isinstance(cache, kernels.AttentionCache):
         return F.attention_weights(cache)
-    qkv, lse, num_heads, mask = cache
-    q, k, _ = F.split_heads(qkv, num_heads)                   # each (B, nh, N, hs)
-    scale = 1.0 / math.sqrt(q.shape[-1])
-    xp = get_array_module(qkv)
-    scores = (q * scale) @ k.swapaxes(-1, -2)                 # (B, nh, N, N)
-    if mask is not None:
-        scores = scores + mask                                # exp(-inf) = 0: masked weights are 0
-    return xp.exp(scores - lse[..., None])                    # (B, nh, N, N)
+    return kernels.attention_weights(cache)
 
 
 def adamw_update(p, g, m, v, lr, beta1, beta2, eps, weight_decay, step):
@@ -405,6 +401,12 @@ def sgd_update(p, g, momentum_buffer, lr, momentum, nesterov, weight_decay):
     if kernels.supports_sgd(p, g, momentum_buffer) and uses_twin("sgd", p, (kind,)):
         return kernels.sgd_update(p, g, momentum_buffer, lr, momentum, nesterov, weight_decay)
     return F.sgd_update(p, g, momentum_buffer, lr, momentum, nesterov, weight_decay)
+
+
+def dropout_keep_mask(shape, p, seed):
+    """Dropout's keep mask for a CuPy array, drawn on the GPU in one launch from seed (kernels.dropout_keep_mask).
+    Not a twin of a pair, so nothing to probe: layers.Dropout draws its NumPy mask on the host itself."""
+    return kernels.dropout_keep_mask(shape, p, seed)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -438,7 +440,7 @@ class Report(list):
         return sum(row[6] or 0.0 for row in self)
 
 
-# While ops_report records a model's forward (and backward), _recorder is its Recording: each op above
+# While report.py records a model's forward (and backward), _recorder is its Recording: each op above
 # notes which implementation ran, for the layer running it. None otherwise: one check, no other cost.
 _recorder = None
 
@@ -447,10 +449,10 @@ def report(model=None, x=None, training=False):
     """What runs from where. With a model: run it once on x (eval forward; training=True: a training
     forward and backward too, model state restored) and return, per layer, which ops each layer called and
     which implementation ran, including a layer of your own that calls none, and a kernel that dropped out
-    because its layer changed (minivit/ops_report.py; print it). x=None: two random images of the model's
+    because its layer changed (minivit/fast/report.py; print it). x=None: two random images of the model's
     config. Without a model: which op ran from where so far in this process, and why (a Report table)."""
     if model is not None:
-        from . import ops_report
+        from . import report as ops_report
 
         return ops_report.record(sys.modules[__name__], model, x, training)
     rows = Report()

@@ -1,4 +1,5 @@
-"""Mixed precision: float16 matrix products, float32 for everything else, and dynamic loss scaling.
+"""Mixed precision, the fast paths' float16 room: float16 matrix products, float32 for everything else,
+and dynamic loss scaling.
 
 The recipe of Micikevicius et al., "Mixed Precision Training" (ICLR 2018), which PyTorch's autocast and
 GradScaler also follow. What changes:
@@ -40,7 +41,7 @@ path pays on the GPU, and runs on the CPU for the tests and the lessons.
 import math
 import numbers
 
-from .backend import get_array_module
+from ..backend import get_array_module
 
 
 class LossScaler:

@@ -1,4 +1,5 @@
-"""What each layer of a model runs, recorded while it runs: ``minivit.ops.report(model, x, training)``.
+"""The report room of the fast paths: what each layer of a model runs, recorded while it runs:
+``minivit.ops.report(model, x, training)`` (the dispatch, minivit/fast/ops.py, calls record() here).
 
 ops.py picks, per op, functional.py's pair or a checked kernel. Which ops a model uses depends on its
 layers, and a student swaps layers: an RMSNorm in place of a LayerNorm calls no ops.layernorm_*, an
@@ -22,7 +23,7 @@ import re
 import numpy
 
 from . import kernels
-from .backend import asarray, backend_of, is_array
+from ..backend import asarray, backend_of, is_array
 
 # ops.py sits above this file (it calls record() from ops.report) and layers.py above ops.py, so neither
 # is imported here: record() is handed the ops module, and minivit's layer classes are known by name.
