@@ -140,6 +140,7 @@ def workdir(tmp_path_factory):
     for name in LESSONS:
         shutil.copy(NOTEBOOKS / name, dest / name)
     shutil.copytree(NOTEBOOKS / "assets", dest / "assets")
+    shutil.copy(NOTEBOOKS / "claims.py", dest / "claims.py")     # what the lessons import to check their prose
     return dest
 
 
@@ -151,6 +152,7 @@ def test_notebook_runs_top_to_bottom_in_quick_mode(name, workdir, monkeypatch):
     monkeypatch.setenv("MINIVIT_QUICK", "1")
     monkeypatch.setenv("MINIVIT_BACKEND", "numpy")
     monkeypatch.setenv("OPENBLAS_NUM_THREADS", "1")
+    monkeypatch.setenv("MINIVIT_CHECK_CLAIMS", "1")          # a claim the run does not show fails its cell
     monkeypatch.setenv("PYTHONPATH", str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     committed = (NOTEBOOKS / name).read_bytes()
     nb = nbformat.read(workdir / name, as_version=4)
@@ -167,3 +169,25 @@ def test_notebook_runs_top_to_bottom_in_quick_mode(name, workdir, monkeypatch):
     figures = sum("image/png" in o.get("data", {}) for c in nb.cells if c.cell_type == "code" for o in c.outputs)
     assert figures >= 1, f"{name} drew no figure"
     assert (NOTEBOOKS / name).read_bytes() == committed, "running a lesson must not touch the committed notebook"
+
+
+def test_a_claim_says_whether_the_run_shows_it_and_fails_under_the_suite(monkeypatch, capsys):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("claims", NOTEBOOKS / "claims.py")
+    claims = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(claims)
+    monkeypatch.delenv("MINIVIT_CHECK_CLAIMS", raising=False)
+    monkeypatch.delenv("MINIVIT_QUICK", raising=False)
+    assert claims.claim("a beats b", 2 > 1, "2 against 1") is True
+    assert claims.claim("b beats a", 1 > 2, "1 against 2") is False         # in Jupyter: said, not raised
+    assert capsys.readouterr().out.splitlines() == ["shown: a beats b (2 against 1)",
+                                                    "NOT SHOWN by this run: b beats a (1 against 2)"]
+    monkeypatch.setenv("MINIVIT_CHECK_CLAIMS", "1")
+    with pytest.raises(AssertionError, match="the lesson says 'b beats a', but its own run does not show it"):
+        claims.claim("b beats a", False, "1 against 2")
+    monkeypatch.setenv("MINIVIT_QUICK", "1")                                # a full-mode claim in quick mode
+    assert claims.claim("long runs show it", False, full_only=True) is False
+    assert "stated for full mode" in capsys.readouterr().out
+    with pytest.raises(TypeError, match="non-empty string"):
+        claims.claim("", True)
