@@ -72,7 +72,8 @@ class ClipPair:
         minivit.set_backend("numpy")
         self.model = clip.CLIP(config, seed=seed).train()
         self.ref = open_clip_like(config, config.gelu == "quick").train()
-        self.ref.load_state_dict({k: torch.from_numpy(v) for k, v in clip.to_open_clip(self.model.state_dict()).items()})
+        self.ref.load_state_dict({k: torch.from_numpy(v)
+                                  for k, v in clip.to_open_clip(self.model.state_dict()).items()})
         self.loss = open_clip.ClipLoss()
         rng = np.random.default_rng(seed + 1)
         H, W = config.img_size
@@ -162,7 +163,8 @@ def main(argv=None):
     path = out_dir / f"clip-cpu-{stamp}.json"
     path.write_text(json.dumps(dict(machine=info, args=vars(args), result=result, created=stamp), indent=1,
                                default=str))
-    print("\n| model | batch | params | minivit step | open_clip step | ratio (wall) | ratio (CPU time) | AdamW ratio |")
+    print("\n| model | batch | params | minivit step | open_clip step | ratio (wall) | ratio (CPU time) "
+          "| AdamW ratio |")
     print("|---|---|---|---|---|---|---|---|")
     print(f"| {args.config} | {batch} | {pair.model.num_params():,} | {1e3 * med['minivit_step']:.0f} ms | "
           f"{1e3 * med['torch_step']:.0f} ms | {ratio_step:.2f} | {ratio_cpu:.2f} | {ratio_opt:.2f} |")

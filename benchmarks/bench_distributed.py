@@ -187,7 +187,8 @@ RUNS = [("minivit", 1, 1), ("minivit", 1, 2), ("minivit", 2, 1), ("torch", 1, 1)
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="vit_cifar_tiny")
     p.add_argument("--embed-dim", type=int)
     p.add_argument("--depth", type=int)
@@ -222,8 +223,8 @@ def main():
         median = statistics.median(got["times"])
         results.append(dict(library=library, ranks=ranks, threads=threads, median_step_s=median,
                             images_per_s=args.batch / median, times=got["times"], num_params=got["num_params"]))
-        print(f"  {library:8s} {ranks}x{threads}: {args.batch / median:8.1f} images/s (median step {median * 1e3:.1f} ms)",
-              flush=True)
+        print(f"  {library:8s} {ranks}x{threads}: {args.batch / median:8.1f} images/s "
+              f"(median step {median * 1e3:.1f} ms)", flush=True)
     ips = {(r["library"], r["ranks"], r["threads"]): r["images_per_s"] for r in results}
     summary = {
         "minivit_scaling_efficiency": ips["minivit", 2, 1] / (2 * ips["minivit", 1, 1]),

@@ -27,10 +27,13 @@ def batches_verified(folder):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--root", default="data/", help="folder for the archive and the extracted batches (default data/)")
-    parser.add_argument("--url", default=CIFAR10_URL, help="where to fetch the archive (a mirror; default the official page)")
+    parser.add_argument("--root", default="data/",
+                        help="folder for the archive and the extracted batches (default data/)")
+    parser.add_argument("--url", default=CIFAR10_URL,
+                        help="where to fetch the archive (a mirror; default the official page)")
     parser.add_argument("--md5", default=CIFAR10_MD5[CIFAR10_ARCHIVE],
-                        help="expected MD5 of the archive (default the official one; change it only for a mirror you trust)")
+                        help="expected MD5 of the archive (default the official one; "
+                             "change it only for a mirror you trust)")
     args = parser.parse_args(argv)
 
     root = args.root

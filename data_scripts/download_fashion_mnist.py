@@ -3,7 +3,8 @@
     python data_scripts/download_fashion_mnist.py --root data/
 
 Each file is saved to NAME.part (no more than its official size) and renamed only when its MD5 is the
-official one (the values the Fashion-MNIST README publishes for the .gz files). Files already there and verified are skipped.
+official one (the values the Fashion-MNIST README publishes for the .gz files). Files already there and
+verified are skipped.
 On Debian/Ubuntu, `apt-get install dataset-fashion-mnist` installs the same data without this script.
 Then: load_dataset("fashion-mnist", data_dir="data/").
 """

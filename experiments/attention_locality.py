@@ -109,7 +109,8 @@ def main():
     model = None
     if a.qk_std:
         model = ViT(ViTConfig(img_size=a.S, patch_size=a.patch, embed_dim=a.dim, depth=a.depth, num_heads=a.heads,
-                              mlp_ratio=2.0, num_classes=data.num_classes, **({"pos_embed": a.pos} if a.pos else {})), seed=0)
+                              mlp_ratio=2.0, num_classes=data.num_classes,
+                              **({"pos_embed": a.pos} if a.pos else {})), seed=0)
         for i in range(a.depth):
             w = model.params[f"blocks.{i}.attn.qkv.weight"]
             w[:, :2 * a.dim] *= a.qk_std / 0.02

@@ -8,10 +8,10 @@ The mode is quick with --quick or with MINIVIT_QUICK=1 in the environment (as `M
 full otherwise; --full forces full mode whatever the environment says. The script prints the mode, and why,
 before it runs each notebook. Each notebook runs in its own folder (so `assets/...` and `runs/...` resolve as
 in Jupyter), with the same environment as tests/test_notebooks.py: MINIVIT_BACKEND=numpy,
-OPENBLAS_NUM_THREADS=1, MINIVIT_CHECK_CLAIMS=1 and this checkout first on PYTHONPATH (the kernel gets them; this process's environment
-is left as it is). The executed notebook replaces the file only after every cell ran without an error
-(written to a temporary file, then os.replace). Each notebook says in its first cell which mode its
-committed outputs come from; notebooks/README.md lists them.
+OPENBLAS_NUM_THREADS=1, MINIVIT_CHECK_CLAIMS=1 and this checkout first on PYTHONPATH (the kernel gets them;
+this process's environment is left as it is). The executed notebook replaces the file only after every cell
+ran without an error (written to a temporary file, then os.replace). Each notebook says in its first cell
+which mode its committed outputs come from; notebooks/README.md lists them.
 """
 
 import argparse

@@ -235,7 +235,8 @@ def test_training_in_float16_follows_float32(tmp_path):
 
 def test_resume_restores_the_loss_scale_bit_for_bit(tmp_path, monkeypatch):
     # a scale that starts too high (overflows, halves) and grows every 2 steps: it changes all run long
-    monkeypatch.setattr(T.loop, "LossScaler", functools.partial(amp.LossScaler, init_scale=2.0 ** 24, growth_interval=2))
+    monkeypatch.setattr(T.loop, "LossScaler",
+                        functools.partial(amp.LossScaler, init_scale=2.0 ** 24, growth_interval=2))
     cfg = dict(TINY, precision="float16", eval_every=3)
     full = train(TrainConfig(**cfg, out=str(tmp_path / "a")))
     assert 0 < full.summary["skipped_steps"] < 16                     # 2^24 overflowed at first
@@ -276,6 +277,7 @@ def test_precision_is_checked_with_the_value_named():
 
 
 def test_a_scaler_that_gives_up_is_reported_as_divergence(tmp_path, monkeypatch):
-    monkeypatch.setattr(T.loop, "LossScaler", functools.partial(amp.LossScaler, init_scale=2.0 ** 100, min_scale=2.0 ** 99))
+    monkeypatch.setattr(T.loop, "LossScaler",
+                        functools.partial(amp.LossScaler, init_scale=2.0 ** 100, min_scale=2.0 ** 99))
     with pytest.raises(TrainingDiverged, match="loss scale"):
         train(TrainConfig(**TINY, precision="float16", out=None))

@@ -133,7 +133,8 @@ PLANTED = {
     "softmax sum term": (F, "softmax_backward", lambda f: lambda d, s: s * d, "softmax", "dx", "proportional to s"),
     "dq without 1/sqrt(hs)": (F, "attention_backward", lambda f: attention_backward_without_scale_in_dq,
                               "attention", "dq", "x4 (= sqrt(hs)"),
-    "heads swapped in the merge": (F, "merge_heads", lambda f: lambda dq, dk, dv: f(dq[:, ::-1], dk[:, ::-1], dv[:, ::-1]),
+    "heads swapped in the merge": (F, "merge_heads",
+                                   lambda f: lambda dq, dk, dv: f(dq[:, ::-1], dk[:, ::-1], dv[:, ::-1]),
                                    "attention", "dv", "head 0 and head 1 swapped"),
     "dW transposed": (F, "linear_backward", lambda f: lambda d, c: (f(d, c)[0], f(d, c)[1].T, f(d, c)[2]),
                       "linear", "dweight", "in and out transposed"),
@@ -144,12 +145,13 @@ PLANTED = {
     "pool cls forgets the class token": (L.Pool, "backward", lambda f: pool_backward_forgetting_the_class_token,
                                          "pool", "cls: dx", "zero everywhere"),
     "AdamW without bias corrections": (F, "adamw_update", lambda f: adamw_without_bias_corrections, "adamw",
-                                       "step 1 (eps = wd = 0): p moves by -lr sign(g)", "x3.162 (= (1 - b1) / sqrt(1 - b2))"),
+                                       "step 1 (eps = wd = 0): p moves by -lr sign(g)",
+                                       "x3.162 (= (1 - b1) / sqrt(1 - b2))"),
     "AdamW with L2 decay": (F, "adamw_update", adamw_with_l2, "adamw", "g = 0: p <- p (1 - lr wd)", "decoupled"),
     "AdamW ignoring the step count": (F, "adamw_update", lambda f: lambda *a: f(*a[:-1], 1), "adamw",
                                       "3 steps: p vs kernels.adamw_update, float32", "step count"),
-    "SGD ignoring nesterov": (F, "sgd_update", sgd_ignoring_nesterov, "sgd", "nesterov, 3 steps: p vs the rule written out",
-                              "differs"),
+    "SGD ignoring nesterov": (F, "sgd_update", sgd_ignoring_nesterov, "sgd",
+                              "nesterov, 3 steps: p vs the rule written out", "differs"),
     "AdamW.step forgetting no_decay": (optim.AdamW, "_decay", lambda f: lambda self, name: self.weight_decay, "adamw",
                                        "optim.AdamW.step, 3 steps: bias vs functional.adamw_update by hand", "differs"),
     "patch2im undoes the wrong transpose": (F, "patch2im", lambda f: patch2im_wrong_transpose, "patch_embed", "dx",
@@ -178,7 +180,8 @@ def test_a_dropped_residual_in_the_block_is_traced_to_the_attention_branch():
         report = C.run(["block", "model"])
     wrong = {(r.op, r.what) for r in report.wrong()}
     assert ("block", "dx") in wrong and ("block", "dattn.proj.bias") in wrong
-    assert ("block", "dmlp.fc2.weight") not in wrong and ("block", "dnorm2.weight") not in wrong  # the MLP branch is right
+    # the MLP branch is right
+    assert ("block", "dmlp.fc2.weight") not in wrong and ("block", "dnorm2.weight") not in wrong
     assert "first goes wrong at dattn.proj.bias" in report.hints["block"]
     assert "dout +" in report.hints["block"] and "blocks.1.attn" in report.hints["model"]
     assert L.Block.backward is not block_backward_without_residual                 # restored

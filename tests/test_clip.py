@@ -319,7 +319,8 @@ def test_zero_shot_classifier_averages_normalised_prompts():
                              vision_heads=3, context_length=8, vocab_size=tok.vocab_size, text_width=8,
                              text_layers=1, text_heads=2)
     model = clip.CLIP(config, dtype="float64")
-    w = minivit.to_numpy(clip.zero_shot_classifier(model, tok, ["red circle", "blue ring"], ["a {}", "a photo of a {}"]))
+    w = minivit.to_numpy(clip.zero_shot_classifier(model, tok, ["red circle", "blue ring"],
+                                                   ["a {}", "a photo of a {}"]))
     assert w.shape == (8, 2) and np.allclose(np.linalg.norm(w, axis=0), 1)
     feats = minivit.to_numpy(clip.encode_texts(model, tok, ["a red circle", "a photo of a red circle"]))
     mean = feats.mean(0)
@@ -436,7 +437,8 @@ def _fast_against_reference(xp_of, rng):
     out, cache = kernels.gelu_forward(xp_of(x, "float32"), "quick")
     ref, ref_cache = F.gelu_forward(xp_of(x, "float64"), "quick")
     assert rel(out, ref) < 1e-6
-    assert rel(kernels.gelu_backward(xp_of(dout, "float32"), cache), F.gelu_backward(xp_of(dout, "float64"), ref_cache)) < 1e-6
+    assert rel(kernels.gelu_backward(xp_of(dout, "float32"), cache),
+               F.gelu_backward(xp_of(dout, "float64"), ref_cache)) < 1e-6
 
     qkv = rng.standard_normal((5, 13, 3 * 12)) * 2                     # 13 tokens, 3 heads of 4
     dctx = rng.standard_normal((5, 13, 12))

@@ -22,8 +22,8 @@ def data():
 
 
 def tiny(out, **kw):
-    base = dict(task="clip", dataset="shapes", out=None if out is None else str(out), max_steps=6, epochs=None, batch_size=16,
-                eval_every=3, progress=False, verbose=False)
+    base = dict(task="clip", dataset="shapes", out=None if out is None else str(out), max_steps=6, epochs=None,
+                batch_size=16, eval_every=3, progress=False, verbose=False)
     return T.TrainConfig(**{**base, **kw})
 
 

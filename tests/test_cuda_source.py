@@ -196,7 +196,8 @@ def test_row_kernels_compile_with_nvrtc(T):
 @needs_nvrtc
 @pytest.mark.parametrize("T", ["float", "double"])
 def test_every_elementwise_body_compiles_with_nvrtc(T):
-    source = f"typedef {T} T;\n" + "\n".join(as_cupy_declares_it(i, *k[1:]) for i, k in enumerate(elementwise_kernels()))
+    source = f"typedef {T} T;\n" + "\n".join(as_cupy_declares_it(i, *k[1:])
+                                              for i, k in enumerate(elementwise_kernels()))
     ok, log = nvrtc_compile(source, "elementwise.cu")
     assert ok, f"NVRTC failed on the ElementwiseKernel bodies with T={T}:\n{log}\n{source}"
 

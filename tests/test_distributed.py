@@ -551,7 +551,8 @@ def test_trainer_on_two_ranks_equals_one_process(trainer_runs, name):
     """The trainer's 4 steps on 2 ranks x 4 images = 1 process x 8 images, in float64: the parameters, the
     optimizer state in the checkpoint, and every recorded loss (training, and the sharded evaluation)."""
     out, ref, one, _ = trainer_runs
-    assert_two_ranks_equal_one(out, ref, "runs", name, "", one[name], ("train_loss", "val_loss", "train_acc", "val_acc"))
+    assert_two_ranks_equal_one(out, ref, "runs", name, "", one[name],
+                               ("train_loss", "val_loss", "train_acc", "val_acc"))
     summary = json.load(open(out / "runs" / name / "summary.json"))
     assert summary["world_size"] == 2 and one[name].summary["world_size"] == 1
 

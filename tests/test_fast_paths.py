@@ -617,7 +617,8 @@ def test_openblas_idle_threads_sleep_whatever_the_import_order(first, env, expec
             "info = [i for i in threadpoolctl.threadpool_info() if i['internal_api'] == 'openblas'][0]\n"
             "lib = ctypes.CDLL(info['filepath'])\n"
             "assert lib.openblas_thread_timeout() == int(os.environ['OPENBLAS_THREAD_TIMEOUT'])\n"
-            "assert (a @ a == before).all() and threadpoolctl.threadpool_info()[0]['num_threads'] == info['num_threads']")
+            "assert (a @ a == before).all() and threadpoolctl.threadpool_info()[0]['num_threads'] "
+            "== info['num_threads']")
     out = subprocess.run([sys.executable, "-c", code], env=environ, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == expected

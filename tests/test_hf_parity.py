@@ -109,7 +109,8 @@ def test_minivit_vit_saved_loads_in_transformers_with_the_same_logits(name, tmp_
     config = minivit.ViTConfig(img_size=tuple(kw["image_size"]) if isinstance(kw["image_size"], list) else
                                kw["image_size"], patch_size=kw["patch_size"], num_classes=kw["num_labels"],
                                embed_dim=kw["hidden_size"], depth=kw["num_hidden_layers"],
-                               num_heads=kw["num_attention_heads"], mlp_ratio=kw["intermediate_size"] / kw["hidden_size"],
+                               num_heads=kw["num_attention_heads"],
+                               mlp_ratio=kw["intermediate_size"] / kw["hidden_size"],
                                qkv_bias=kw.get("qkv_bias", True), gelu=hf.GELU_BY_ACT[kw.get("hidden_act", "gelu")])
     model = minivit.ViT(config, seed=3, dtype="float64")
     for p in model.params.values():

@@ -70,7 +70,8 @@ def test_grid_kinds_put_registers_before_the_patches_without_a_position(rng):
     layer.params["reg_token"][...] = minivit.asarray(rng.standard_normal((1, 2, 8)))
     x = rng.standard_normal((3, 4, 8))
     out = minivit.to_numpy(layer.forward(minivit.asarray(x)))                   # (B, 1+2+4, D)
-    np.testing.assert_array_equal(out[:, 1:3], np.broadcast_to(minivit.to_numpy(layer.params["reg_token"])[0], (3, 2, 8)))
+    np.testing.assert_array_equal(out[:, 1:3],
+                                  np.broadcast_to(minivit.to_numpy(layer.params["reg_token"])[0], (3, 2, 8)))
     np.testing.assert_allclose(out[:, 3:], x + minivit.to_numpy(layer.table))
 
 

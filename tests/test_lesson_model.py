@@ -47,7 +47,8 @@ def test_the_lines_model_reaches_its_accuracy_and_its_heads_spread_with_depth():
     model = minivit.load_model(str(LINES_MODEL), backend="numpy").eval()
     extra = load_checkpoint(str(LINES_MODEL))["meta"]["extra"]
     c = model.config
-    assert (c.img_size, c.patch_size, c.grid_size, c.depth, c.num_heads, c.num_classes) == ((32, 32), 4, (8, 8), 6, 4, 4)
+    assert ((c.img_size, c.patch_size, c.grid_size, c.depth, c.num_heads, c.num_classes)
+            == ((32, 32), 4, (8, 8), 6, 4, 4))
     data = make_lines()                                       # the 10,000 + 2,000 images of seed 0 it was trained on
     assert list(extra["classes"]) == data.classes
     x = normalize(data.x_test, extra["mean"], extra["std"])

@@ -35,7 +35,8 @@ def built_shapes(config):
 PRESETS = [c if c.img_size == (32, 32) else dataclasses.replace(c, depth=1) for _, c in sorted(minivit.presets.items())]
 OPTIONS = [dict(pos_embed=pos, stem=stem, pool=pool, representation_size=R, qkv_bias=bias)
            for pos, stem, pool, R, bias in itertools.product(("learned", "learned2d", "sincos2d", "none"),
-                                                             ("patch", "conv"), ("cls", "gap"), (None, 6), (True, False))]
+                                                             ("patch", "conv"), ("cls", "gap"), (None, 6),
+                                                             (True, False))]
 
 
 @pytest.mark.parametrize("config", PRESETS, ids=sorted(minivit.presets))
@@ -99,8 +100,9 @@ def test_registers_flow_through_the_model_and_only_the_patches_reach_gap(rng):
 
 def test_flops_count_the_registers():
     c = tiny()
+    # 4 more tokens, no more patches
     assert minivit.flops(dataclasses.replace(c, num_registers=4)) == minivit.flops(
-        dataclasses.replace(c, img_size=(16, 20))) - 2 * 4 * c.patch_size ** 2 * 3 * 16   # 4 more tokens, no more patches
+        dataclasses.replace(c, img_size=(16, 20))) - 2 * 4 * c.patch_size ** 2 * 3 * 16
 
 
 def test_resize_keeps_the_class_token_and_registers_rows(rng):
@@ -110,7 +112,8 @@ def test_resize_keeps_the_class_token_and_registers_rows(rng):
     assert bigger.params["pos_embed"].shape == (1, 3 + 36, 16)
     np.testing.assert_array_equal(minivit.to_numpy(bigger.params["pos_embed"])[:, :3],
                                   minivit.to_numpy(model.params["pos_embed"])[:, :3])
-    np.testing.assert_array_equal(minivit.to_numpy(bigger.params["reg_token"]), minivit.to_numpy(model.params["reg_token"]))
+    np.testing.assert_array_equal(minivit.to_numpy(bigger.params["reg_token"]),
+                                  minivit.to_numpy(model.params["reg_token"]))
     assert bigger.forward(minivit.asarray(rng.standard_normal((1, 24, 24, 3)))).shape == (1, 4)
 
 

@@ -111,7 +111,8 @@ def test_a_method_the_lessons_point_at_is_in_that_class():
                 if cls in classes:
                     pointers += 1
                     assert any(attr in vars(c) for c in classes[cls]), \
-                        f"{path.name}, cell {i}: `{cls}.{attr}` is not in class {cls}'s body (inherited?): name the class that has it"
+                        f"{path.name}, cell {i}: `{cls}.{attr}` is not in class {cls}'s body (inherited?): " \
+                        "name the class that has it"
     assert pointers > 0
 
 

@@ -115,7 +115,8 @@ EDITS = {   # op: (anchor in functional.py, the edited text); each is a bug a st
                          "    return 3 * s * (dout - (dout * s).sum(-1, keepdims=True))"),
     "attention forward": ("    scale = 1.0 / math.sqrt(D // num_heads)                   # 1 / sqrt(hs)",
                           "    scale = 0.5 / math.sqrt(D // num_heads)                   # 1 / sqrt(hs)"),
-    "attention backward": ("    dq *= scale                                               #   (in place: no second array)",
+    "attention backward": ("    dq *= scale                                               "
+                           "#   (in place: no second array)",
                            "    dq *= 2 * scale"),
 }
 # the op that ops then takes from functional.py: softmax runs inside attention in a ViT
@@ -180,7 +181,8 @@ def test_a_replaced_pair_is_what_runs():
 @needs_numba
 def test_a_wrong_twin_is_refused_and_the_pair_runs(monkeypatch):
     real = kernels.gelu_forward
-    monkeypatch.setattr(kernels, "gelu_forward", lambda x, approximate="erf": (2 * real(x, approximate)[0], (x, approximate)))
+    monkeypatch.setattr(kernels, "gelu_forward",
+                        lambda x, approximate="erf": (2 * real(x, approximate)[0], (x, approximate)))
     x = np.linspace(-3, 3, 50, dtype=np.float32)
     with pytest.warns(ops.FastPathDisagrees, match="differs: out by 100%"):
         out, _ = ops.gelu_forward(x)

@@ -148,7 +148,8 @@ def test_registers_logits_and_every_gradient_match_timm(name):
     relerr = {k: rel(a, b) for k, (a, b) in pairs.items()}
     worst = max((v, k) for k, v in relerr.items() if k not in ("logits", "dx"))
     print(f"\n{name}: logits max|diff| {absdiff['logits']:.1e} (rel {relerr['logits']:.1e}), dx {absdiff['dx']:.1e}, "
-          f"reg_token grad {absdiff['reg_token']:.1e} (of max {np.abs(tgrads['reg_token']).max():.1e}), pos_embed grad {absdiff['pos_embed']:.1e}, "
+          f"reg_token grad {absdiff['reg_token']:.1e} (of max {np.abs(tgrads['reg_token']).max():.1e}), "
+          f"pos_embed grad {absdiff['pos_embed']:.1e}, "
           f"worst parameter gradient max|diff| {max(v for k, v in absdiff.items() if k not in ('logits', 'dx')):.1e}, "
           f"worst rel {worst[0]:.1e} ({worst[1]}); loss rel {abs(loss - tloss.item()) / abs(tloss.item()):.1e}")
     assert abs(loss - tloss.item()) / abs(tloss.item()) < 1e-9

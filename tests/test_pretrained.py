@@ -87,7 +87,8 @@ def test_google_npz_round_trip_gives_identical_parameters_and_logits(name, tmp_p
     x = images(config)
     np.testing.assert_array_equal(logits_of(loaded, x), logits_of(model, x))
     # the one-call path reads the same file to the same model
-    again = convert.from_pretrained(path, gelu=config.gelu, checkpoint_img_size=img_size, dtype="float64", verbose=False)
+    again = convert.from_pretrained(path, gelu=config.gelu, checkpoint_img_size=img_size, dtype="float64",
+                                    verbose=False)
     np.testing.assert_array_equal(logits_of(again, x), logits_of(model, x))
 
 

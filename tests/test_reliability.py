@@ -145,7 +145,8 @@ def test_an_out_that_holds_a_run_is_refused_and_left_exactly_as_it_was(tmp_path,
     before = files_of(out)
     assert sorted(before) == ["checkpoint.npz", "curves.png", "metrics.jsonl", "summary.json"]
     assert len({mode(out / name) for name in before}) == 1    # the checkpoint's mode is the others' (not 0600)
-    with pytest.raises(ValueError, match=r"already holds a run .*continue it with --resume, replace it with --overwrite"):
+    with pytest.raises(ValueError,
+                       match=r"already holds a run .*continue it with --resume, replace it with --overwrite"):
         run(out, data, max_steps=8)
     with pytest.raises(ValueError, match="label_smoothing must be in"):   # a bad flag: refused before any write
         run(out, data, max_steps=8, overwrite=True, label_smoothing=2.0)

@@ -307,7 +307,8 @@ def test_labels_are_checked_against_the_models_class_count(tmp_path):
     shapes = Dataset("shapes", x, y, xt, yt, list(SHAPES_CLASSES), *channel_mean_std(x))
     model = ViT(ViTConfig(img_size=32, patch_size=8, num_classes=3, embed_dim=16, depth=1, num_heads=2))
     with pytest.raises(ValueError, match=r"the model has 3 classes and shapes has 10"):
-        train(TrainConfig(max_steps=1, batch_size=32, progress=False, verbose=False, out=None), model=model, data=shapes)
+        train(TrainConfig(max_steps=1, batch_size=32, progress=False, verbose=False, out=None),
+              model=model, data=shapes)
 
 
 # ---- 4. checkpoint metadata is checked before it is used ------------------------------------------------
@@ -337,9 +338,11 @@ def _set(path, value):
 
 
 BAD_META = {
-    "step 3.5": (_set(["extra", "step"], 3.5), {}, r"extra\['step'\] \(the optimizer steps done\) must be an int >= 0, got 3.5"),
+    "step 3.5": (_set(["extra", "step"], 3.5), {},
+                 r"extra\['step'\] \(the optimizer steps done\) must be an int >= 0, got 3.5"),
     "step '7'": (_set(["extra", "step"], "7"), {}, r"extra\['step'\] .* must be an int >= 0, got '7'"),
-    "classes": (_set(["extra", "classes"], ["a", "b"]), {}, r"extra\['classes'\] names 2 classes, and the model has 10"),
+    "classes": (_set(["extra", "classes"], ["a", "b"]), {},
+                r"extra\['classes'\] names 2 classes, and the model has 10"),
     "classes str": (_set(["extra", "classes"], "abc"), {}, r"extra\['classes'\] must be a list of class names"),
     "extra": (_set(["extra"], [1, 2]), {}, r"the metadata's 'extra' must be a dict, got \[1, 2\]"),
     "strings": (None, {"param/head.bias": np.array(["x"] * 10)}, r"the array 'param/head.bias' holds <U1 values"),

@@ -36,7 +36,8 @@ def cfg(out, **kw):
 def test_records_have_every_field_finite_and_leave_the_eval_readers_alone(tmp_path, data):
     result = train(cfg(tmp_path), model=tiny(), data=data)
     records = read_metrics(tmp_path, kind=None)
-    assert [(r.get("kind", "eval"), r["step"]) for r in records] == [("stats", 2), ("eval", 2), ("stats", 4), ("eval", 4)]
+    assert ([(r.get("kind", "eval"), r["step"]) for r in records]
+            == [("stats", 2), ("eval", 2), ("stats", 4), ("eval", 4)])
     evals, logged = read_metrics(tmp_path), read_metrics(tmp_path, kind="stats")
     assert [r["step"] for r in evals] == [2, 4] and all("kind" not in r for r in evals)
     assert result.history == evals                       # what the run returns holds evaluations only

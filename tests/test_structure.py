@@ -41,7 +41,8 @@ LEVELS = [
                                     # CLIP's joint space and contrastive loss (on one rank of R too)
     ("gradcheck",),                 # checks any layer's backward against central differences
     ("model",),                     # ViTConfig, param_shapes, flops, Classifier, ViT, trace, presets
-    ("hf",),                        # Hugging Face transformers folders (ViT, CLIP): below convert and clip, which call it
+    ("hf",),                        # Hugging Face transformers folders (ViT, CLIP): below convert and clip,
+                                    # which call it
     ("resnet", "clip.model",        # models built on the ViT's parts: the CNN baseline, CLIP's towers and config;
      "clip.zero_shot"),             # a trained CLIP used: features, zero-shot classification, retrieval
     ("clip",),                      # CLIP's every public name (loss, model, zero_shot)
@@ -284,7 +285,8 @@ def test_the_readme_finds_names():
 def test_each_name_the_readme_shows_resolves(dotted):
     obj = minivit
     for part in dotted.split(".")[1:]:
-        assert hasattr(obj, part), f"the README writes {dotted}, but {obj.__name__ if hasattr(obj, '__name__') else obj}" \
+        assert hasattr(obj, part), f"the README writes {dotted}, " \
+                                   f"but {obj.__name__ if hasattr(obj, '__name__') else obj}" \
                                    f" has no attribute {part!r}"
         obj = getattr(obj, part)
 
