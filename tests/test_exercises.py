@@ -54,15 +54,16 @@ def _state():
     return {id(o): dict(vars(o)) for o in owners}
 
 
-def _run(name, solved, monkeypatch):
-    """Exec the notebook's code cells in order; return [(cell index, report)] for its check cells."""
+def _run(name, solved, monkeypatch, planted=None):
+    """Exec the notebook's code cells in order; return [(cell index, report)] for its check cells.
+    planted: {function name: source}, put in place of the solution of that name (a planted bug)."""
     import matplotlib
     import matplotlib.pyplot as plt
 
     matplotlib.use("Agg")
     monkeypatch.setenv("MINIVIT_QUICK", "1")
     monkeypatch.chdir(EXERCISES)
-    solutions = _solutions(name) if solved else {}
+    solutions = {**_solutions(name), **(planted or {})} if solved else {}
     namespace, reports = {"__name__": "__main__"}, []
     for i, cell in enumerate(_read(name)["cells"]):
         if cell["cell_type"] != "code":
@@ -82,7 +83,8 @@ def _run(name, solved, monkeypatch):
 def test_there_are_exercises_for_every_backward_the_issue_asks_for():
     written = {fn for name in NOTEBOOKS for fn in _solutions(name)}
     assert {"patch2im", "linear_backward", "layernorm_backward", "gelu_backward", "softmax_backward",
-            "attention_backward", "block_backward", "cross_entropy_backward", "adamw_update"} <= written, written
+            "attention_backward", "block_backward", "cross_entropy_backward", "adamw_update",
+            "contrastive_loss_backward", "l2_normalize_backward", "reduce_scatter", "all_gather"} <= written, written
 
 
 @pytest.mark.parametrize("name", NOTEBOOKS)
@@ -134,6 +136,53 @@ def test_with_the_solutions_every_check_says_right(name, monkeypatch):
         assert report.ok, f"{name}, cell {i}: the solution fails its check:\n{report.table(verbose=True)}"
         assert report.verdict().startswith("RIGHT")
     assert _state() == before, f"{name} left minivit changed (a replaced function not restored)"
+
+
+# Bugs a student makes, planted in place of one solution: the check of that function must say WRONG and name it
+PLANTED = {
+    "13_contrastive_loss.ipynb": [
+        ("contrastive_loss_backward", "rows only", """
+def contrastive_loss_backward(logits):
+    B = logits.shape[0]
+    e = np.exp(logits - logits.max(1, keepdims=True))
+    return (e / e.sum(1, keepdims=True) - np.eye(B)) / B
+""", "contrastive_loss dlogits"),
+        ("l2_normalize_backward", "the radial part kept", """
+def l2_normalize_backward(dout, cache):
+    y, norm, eps = cache
+    return dout / norm
+""", "part along y"),
+    ],
+    "14_ring_allreduce.ipynb": [
+        ("reduce_scatter", "sends to the left", """
+def reduce_scatter(chunks, send):
+    R = len(chunks)
+    for s in range(R - 1):
+        for r in range(R):
+            c = (r - s) % R
+            chunks[(r - 1) % R][c] += send(r, (r - 1) % R, c)
+""", "messages go to the right-hand neighbour"),
+        ("all_gather", "adds instead of copying", """
+def all_gather(chunks, send):
+    R = len(chunks)
+    for s in range(R - 1):
+        for r in range(R):
+            c = (r + 1 - s) % R
+            chunks[(r + 1) % R][c] += send(r, (r + 1) % R, c)
+""", "not the sum over the ranks"),
+    ],
+}
+
+
+@pytest.mark.parametrize("name, fn, bug, source, named",
+                         [(name, *case) for name, cases in PLANTED.items() for case in cases],
+                         ids=[f"{name[:2]}-{case[1]}" for name, cases in PLANTED.items() for case in cases])
+def test_a_planted_bug_is_named_by_its_check(name, fn, bug, source, named, monkeypatch):
+    reports = _run(name, solved=True, monkeypatch=monkeypatch, planted={fn: source.strip()})
+    wrong = [report for _, report in reports if not report.ok]
+    assert len(wrong) == 1, f"{name}, {bug}: {len(wrong)} checks fail, expected the one of {fn}"
+    verdict = wrong[0].verdict()
+    assert verdict.startswith("WRONG") and named in verdict, f"{name}, {bug}: the check says\n{verdict}"
 
 
 @pytest.mark.parametrize("name", NOTEBOOKS)
