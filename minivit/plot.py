@@ -110,9 +110,11 @@ def plot_stats(records, path=None, title=None):
     for ax in axes:
         ax.grid(alpha=0.3)
         ax.title.set_fontsize(9)
-    for ax, items in ((axes[0], stages), (axes[2], weights), (axes[3], blocks)):
-        if 0 < len(items) <= 8:
-            ax.legend(fontsize=6)
+    for ax in axes:                                   # every panel gets a legend; a long one shows every k-th line
+        handles, labels = ax.get_legend_handles_labels()
+        k = -(-len(handles) // 8)                     # ceil: at most 8 entries
+        ax.legend(handles[::k], labels[::k], fontsize=6, title=None if k == 1 else f"every {k}th line, in order",
+                  title_fontsize=6)
     return _finish(fig, title, path)
 
 
