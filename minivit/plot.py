@@ -67,8 +67,8 @@ def plot_curves(history, path=None, title=None):
 
 
 def plot_stats(records, path=None, title=None):
-    """Four panels from --log-stats records (a list, or a run folder): against the step, the std of each
-    stage's output; the gradient norm and the update-to-parameter ratio ||theta' - theta|| / ||theta|| of
+    """Four panels (2 x 2, a legend right of each) from --log-stats records (a list, or a run folder): against
+    the step, the std of each stage's output; the gradient norm and the update-to-parameter ratio ||theta' - theta|| / ||theta|| of
     every weight matrix (log scale; the dashed line is the 1e-3 rule of thumb); each block's attention
     entropy (1: uniform, 0: one-hot) and fraction of GELU inputs in its flat tail. Saves to path when
     given; returns the matplotlib Figure."""
@@ -85,7 +85,8 @@ def plot_stats(records, path=None, title=None):
     if not records:
         raise ValueError("no stats records to plot (train with --log-stats K)")
     steps = [r["step"] for r in records]
-    fig, axes = plt.subplots(1, 4, figsize=(15, 3.3), dpi=90)
+    fig, axes = plt.subplots(2, 2, figsize=(12, 6.6), dpi=90)
+    axes = axes.ravel()                               # activations, gradient norms / update ratios, blocks
     stages = list(records[0]["activations"])
     colours = plt.cm.viridis([i / max(len(stages) - 1, 1) for i in range(len(stages))])
     for name, colour in zip(stages, colours):
@@ -109,10 +110,12 @@ def plot_stats(records, path=None, title=None):
     axes[3].set(xlabel="step", ylim=(-0.03, 1.03), title="attention entropy / log N (solid), GELU flat (dotted)")
     for ax in axes:
         ax.grid(alpha=0.3)
-        ax.title.set_fontsize(9)
-    for ax, items in ((axes[0], stages), (axes[2], weights), (axes[3], blocks)):
-        if 0 < len(items) <= 8:
-            ax.legend(fontsize=6)
+        ax.title.set_fontsize(10)
+    for ax in axes:                                   # every panel gets a legend; a long one shows every k-th line
+        handles, labels = ax.get_legend_handles_labels()
+        k = -(-len(handles) // 8)                     # ceil: at most 8 entries
+        ax.legend(handles[::k], labels[::k], fontsize=7, title=None if k == 1 else f"1 line in {k} named, in order",
+                  title_fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     return _finish(fig, title, path)
 
 

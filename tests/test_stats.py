@@ -54,7 +54,8 @@ def test_records_have_every_field_finite_and_leave_the_eval_readers_alone(tmp_pa
             assert 0 < b["attn_entropy"] <= 1 + 1e-6 and 0 < b["attn_max"] <= 1 and 0 <= b["gelu_flat"] <= 1
         assert r["activations"]["norm"]["std"] == pytest.approx(1.0, abs=0.05)   # LayerNorm's output, at init weights
     plot_curves(tmp_path)                                 # the eval plot still reads the folder
-    assert plot_stats(tmp_path) is not None
+    fig = plot_stats(tmp_path)
+    assert all(ax.get_legend() is not None for ax in fig.axes)   # every panel says which line is which
 
 
 def test_update_ratio_and_gradient_norm_against_the_parameters_before_and_after(tmp_path, data):
