@@ -5,4 +5,5 @@ import sys
 from .. import distributed
 from . import main
 
-sys.exit(distributed.exit_status(main()))   # with several ranks, an error on one ends them all
+if __name__ == "__main__":          # imported (pkgutil.walk_packages, a test), it runs nothing
+    sys.exit(distributed.exit_status(main()))   # with several ranks, an error on one ends them all
