@@ -6,7 +6,7 @@
     .venv-parity/bin/python benchmarks/bench.py --device gpu      # CuPy against PyTorch CUDA
 
 What is measured. The same ViT is built in minivit and in timm, with minivit's weights copied into timm
-(minivit.convert.to_timm), and each is timed on the same batch for:
+(minivit.weights.convert.to_timm), and each is timed on the same batch for:
 - a training step: zero_grad, forward, cross-entropy loss, backward (every parameter gradient);
 - an optimizer step: minivit.optim.AdamW against torch.optim.AdamW (PyTorch's default implementation
   for the device), lr 1e-3, weight decay 0.05 on every parameter.
@@ -71,7 +71,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np  # noqa: E402
 import minivit  # noqa: E402
-from minivit import backend, convert, kernels, ops  # noqa: E402
+from minivit import backend  # noqa: E402
+from minivit.fast import kernels, ops  # noqa: E402
+from minivit.weights import convert  # noqa: E402
 from minivit.amp import LossScaler  # noqa: E402
 from minivit.optim import AdamW  # noqa: E402
 

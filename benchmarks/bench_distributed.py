@@ -101,7 +101,7 @@ def torch_worker(args, port):
     import torch
 
     import minivit
-    from minivit import convert
+    from minivit.weights import convert
     from minivit.distributed import local_slice
 
     torch.set_num_threads(args.threads)

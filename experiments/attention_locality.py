@@ -25,7 +25,7 @@ import numpy as np
 from minivit import augment as A
 from minivit import viz
 from minivit.data import SHAPES_CLASSES, Dataset, channel_mean_std, make_lines, make_shapes
-from minivit.checkpoint import save_checkpoint
+from minivit.weights.checkpoint import save_checkpoint
 from minivit.data.synthetic import _draw_shape_images, _shape_mask
 from minivit.model import ViT, ViTConfig
 from minivit.train import TrainConfig, train

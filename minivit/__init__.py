@@ -15,12 +15,13 @@ import importlib
 
 from . import _blas_env  # noqa: F401  (first: a setting NumPy's BLAS reads when NumPy is imported)
 from . import _moved  # (second: installs the old import paths of modules that moved into a subpackage)
-from . import backend, checkpoint, conv, convert, embeddings, fast, functional, layers, model, optim  # noqa: F401
+from . import backend, conv, embeddings, fast, functional, layers, model, optim, weights  # noqa: F401
+from .weights import checkpoint, convert, hf  # noqa: F401  (also minivit.checkpoint, .convert, .hf)
 from .fast import amp, kernels, ops  # noqa: F401  (also minivit.amp, .kernels, .ops: the same modules)
 from .backend import (asarray, backend_module, get_array_module, get_backend, gpu_available, set_backend,
                       to_numpy)
-from .checkpoint import load_model
-from .convert import from_pretrained
+from .weights.checkpoint import load_model
+from .weights.convert import from_pretrained
 from .functional import cross_entropy
 from .gradcheck import GradcheckReport, gradcheck
 from .model import ViT, ViTConfig, create_model, flops, param_shapes, presets, trace
@@ -31,10 +32,10 @@ __all__ = ["asarray", "backend_module", "get_array_module", "get_backend", "gpu_
            "to_numpy", "cross_entropy", "gradcheck", "GradcheckReport", "ViT", "ViTConfig", "create_model",
            "flops", "param_shapes", "presets", "trace", "load_model", "from_pretrained"]
 
-# Imported on first use: minivit.train (tqdm), .data (.data.download: tqdm), .viz and .plot (matplotlib inside),
-# .predict (Pillow inside), .resnet, .stats, .clip (CLIP). The old names of moved modules (.augment, .download,
-# .captions: _moved.MOVED) likewise.
-_LAZY = ("check", "clip", "clip_train", "data", "distributed", "plot", "predict", "resnet", "stats", "train", "viz")
+# Imported on first use: minivit.train (tqdm), .data (.data.download: tqdm), .viz (matplotlib inside),
+# .predict (Pillow inside), .resnet, .clip (CLIP). The old names of moved modules (.augment, .download,
+# .captions, .clip_train, .plot, .stats: _moved.MOVED) likewise.
+_LAZY = ("check", "clip", "data", "distributed", "predict", "resnet", "train", "viz")
 
 
 def __getattr__(name):

@@ -42,7 +42,6 @@ from contextlib import contextmanager
 
 from . import backend
 from .backend import backend_of, get_array_module, host_rng
-from .clip.loss import contrastive_loss_rows  # noqa: F401  (clip_train.py calls distributed.contrastive_loss_rows)
 from .layers import Dropout
 from .optim import clip_grad_norm
 

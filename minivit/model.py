@@ -442,9 +442,9 @@ class ViT(Classifier):
     @classmethod
     def from_pretrained(cls, path, **kwargs):
         """ViT.from_pretrained(path, num_classes=None, img_size=None, ...), the spelling transformers users
-        know: the same call as minivit.from_pretrained (minivit/convert.py; see it for every argument), which
+        know: the same call as minivit.from_pretrained (minivit/weights/convert.py; see it for every argument), which
         returns a ViT. The loaders sit above the model, so convert is imported here, when the method runs."""
-        from .convert import from_pretrained    # at call time: convert imports this module
+        from .weights.convert import from_pretrained    # at call time: convert imports this module
         return from_pretrained(path, **kwargs)
 
     def stages(self):

@@ -14,8 +14,8 @@ import sys
 
 from .data import augment as A
 from .backend import asarray, to_numpy
-from .checkpoint import load_model
-from .convert import from_pretrained
+from .weights.checkpoint import load_model
+from .weights.convert import from_pretrained
 from .data import read_image
 from .functional import softmax_forward
 

@@ -4,7 +4,7 @@
 
 minivit: ``minivit.train.train`` itself (the demo recipe, --backend cupy, exactly --steps steps, one
 evaluation at the end). PyTorch: the same loop written in PyTorch on the same GPU: timm's
-VisionTransformer with minivit's initial weights (minivit.convert.to_timm), the same batches in the same
+VisionTransformer with minivit's initial weights (minivit.weights.convert.to_timm), the same batches in the same
 order (epoch e shuffled by host_rng([seed, e]); the demo recipe has no augmentation), torch.optim.AdamW
 with the same lr, weight decay and no-decay set, the same warm-up + cosine schedule (minivit.optim's
 WarmupCosine), float32 (TF32 when CUPY_TF32=1, for both). Each side's images/s is counted the way
@@ -43,7 +43,8 @@ def run_torch(steps, seed):
     import timm.models.vision_transformer as tv
     import torch
 
-    from minivit import backend, convert
+    from minivit import backend
+    from minivit.weights import convert
     from minivit.data import load_dataset
     from minivit.optim import WarmupCosine, default_no_decay
     from minivit.train import TrainConfig, build_model, resolve

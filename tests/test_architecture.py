@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import minivit
-from minivit import checkpoint
+from minivit.weights import checkpoint
 from minivit import layers as L
 from minivit.functional import cross_entropy
 from minivit.model import ViT, ViTConfig

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 import minivit
-from minivit import clip, convert
+from minivit import clip
+from minivit.weights import convert
 
 torch = pytest.importorskip("torch")
 open_clip = pytest.importorskip("open_clip")

@@ -1,4 +1,4 @@
-"""CLIP through the trainer (--task clip: minivit/clip_train.py run by minivit/train/loop.py): a tiny
+"""CLIP through the trainer (--task clip: minivit/clip/task.py run by minivit/train/loop.py): a tiny
 run's files and summary, Ctrl-C then resume equal bit for bit to an uninterrupted run, and bad flags
 refused by name before any file is written."""
 
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from minivit import captions as C
-from minivit import checkpoint as ckpt
+from minivit.weights import checkpoint as ckpt
 from minivit import train as T
 from minivit.clip import CLIP
 

@@ -516,7 +516,7 @@ def params_of(result):
 
 def optimizer_state(folder):
     """The optimizer's step count and buffers ("kind/name" -> array) in folder's checkpoint.npz."""
-    from minivit.checkpoint import load_checkpoint
+    from minivit.weights.checkpoint import load_checkpoint
 
     state = load_checkpoint(os.path.join(folder, "checkpoint.npz"))["optimizer"]
     return state["step"], flat_state(state)
@@ -696,7 +696,7 @@ def test_command_line_on_two_ranks_stops_once_on_sigterm(tmp_path):
     assert job.returncode == 143, stdout + stderr
     summary = json.load(open(out / "summary.json"))
     assert summary["interrupted"] and summary["signal"] == "SIGTERM" and summary["world_size"] == 2
-    from minivit.checkpoint import load_checkpoint
+    from minivit.weights.checkpoint import load_checkpoint
 
     assert load_checkpoint(str(out))["meta"]["extra"]["step"] == summary["steps"] > 3
     assert stdout.count("SIGTERM at step") == 1 and stdout.count("done:") == 1 and stdout.count("training ") == 1

@@ -3,7 +3,7 @@ resizes the position embeddings for the new resolution, and follows the "finetun
 
 import numpy as np
 
-from minivit.convert import from_pretrained
+from minivit.weights.convert import from_pretrained
 from minivit.embeddings import resize_pos_embed
 from minivit.train import TrainConfig, train
 

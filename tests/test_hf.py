@@ -1,4 +1,4 @@
-"""Hugging Face transformers folders without transformers: minivit writes one (minivit.hf.save_pretrained)
+"""Hugging Face transformers folders without transformers: minivit writes one (minivit.weights.hf.save_pretrained)
 and reads it back, in both naming schemes, sharded or not; and every bad folder is refused with an error that
 names the file and what was expected. The comparison with transformers itself is tests/test_hf_parity.py.
 """
@@ -11,7 +11,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 import minivit
-from minivit import hf
+from minivit.weights import hf
 from minivit.clip import CLIP, CLIPConfig
 
 

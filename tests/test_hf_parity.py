@@ -3,7 +3,7 @@
 Small random transformers models are built offline (no download), saved with save_pretrained into a
 temporary folder, and read by minivit.from_pretrained / CLIP.from_pretrained: logits, the input gradient
 and every parameter gradient of the ViT, and CLIP's image and text features, must agree to 1e-9 relative.
-The other direction too: a minivit model written by minivit.hf.save_pretrained, read by transformers'
+The other direction too: a minivit model written by minivit.weights.hf.save_pretrained, read by transformers'
 from_pretrained, gives the same outputs. Skipped without torch or transformers (`make test-parity`).
 """
 
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import minivit
-from minivit import hf
+from minivit.weights import hf
 from minivit.clip import CLIP, CLIPConfig
 
 torch = pytest.importorskip("torch")

@@ -7,7 +7,7 @@ import numpy as np
 
 import minivit
 from minivit.augment import normalize
-from minivit.checkpoint import load_checkpoint
+from minivit.weights.checkpoint import load_checkpoint
 from minivit.data import load_dataset, resize_images
 
 ASSETS = Path(__file__).resolve().parents[1] / "notebooks" / "assets"

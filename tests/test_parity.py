@@ -1,6 +1,6 @@
 """Parity with the reference: timm's VisionTransformer under PyTorch autograd, in float64.
 
-The same weights are copied into timm (minivit.convert.to_timm); then logits, the loss, the input
+The same weights are copied into timm (minivit.weights.convert.to_timm); then logits, the loss, the input
 gradient and every parameter gradient must agree to 1e-9 relative. Skipped when torch or timm is
 not installed (`make test-parity` installs them in a separate venv).
 """
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import minivit
-from minivit import convert
+from minivit.weights import convert
 
 torch = pytest.importorskip("torch")
 timm_vit = pytest.importorskip("timm.models.vision_transformer")

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 import minivit
-from minivit import ViT, ViTConfig, convert
+from minivit import ViT, ViTConfig
+from minivit.weights import convert
 from minivit import embeddings as E
 from minivit import layers as L
 
@@ -197,7 +198,7 @@ def test_timm_num_heads_default_from_the_preset_widths_and_refused_otherwise(tmp
 
 
 def test_a_minivit_checkpoint_is_a_starting_point_too(tmp_path):
-    checkpoint = pytest.importorskip("minivit.checkpoint")
+    checkpoint = pytest.importorskip("minivit.weights.checkpoint")
     config = tiny(gelu="tanh")
     model = perturbed(config)
     checkpoint.save_checkpoint(tmp_path / "run.npz", model)
@@ -211,7 +212,7 @@ def test_a_minivit_checkpoint_is_a_starting_point_too(tmp_path):
 
 def test_vit_from_pretrained_is_minivit_from_pretrained(tmp_path):
     """minivit.ViT.from_pretrained (transformers' spelling) gives the model minivit.from_pretrained gives."""
-    checkpoint = pytest.importorskip("minivit.checkpoint")
+    checkpoint = pytest.importorskip("minivit.weights.checkpoint")
     model = perturbed(tiny())
     checkpoint.save_checkpoint(tmp_path / "run.npz", model)
     for kwargs in ({}, {"num_classes": 2, "img_size": 32}):
@@ -225,7 +226,7 @@ def test_vit_from_pretrained_is_minivit_from_pretrained(tmp_path):
 
 
 def test_a_minivit_checkpoint_with_registers_loads_and_resizes(tmp_path):
-    checkpoint = pytest.importorskip("minivit.checkpoint")
+    checkpoint = pytest.importorskip("minivit.weights.checkpoint")
     model = perturbed(tiny(num_registers=2))
     checkpoint.save_checkpoint(tmp_path / "reg.npz", model)
     again = convert.from_pretrained(tmp_path / "reg.npz", dtype="float64")
@@ -239,7 +240,7 @@ def test_a_minivit_checkpoint_with_registers_loads_and_resizes(tmp_path):
 
 def test_a_minivit_checkpoint_of_a_variant_loads_and_refuses_a_resize_it_cannot_do(tmp_path):
     """The shapes a checkpoint must have come from model.param_shapes, which knows every option."""
-    checkpoint = pytest.importorskip("minivit.checkpoint")
+    checkpoint = pytest.importorskip("minivit.weights.checkpoint")
     config = tiny(stem="conv", stem_width=4, pos_embed="learned2d")
     model = perturbed(config)
     checkpoint.save_checkpoint(tmp_path / "hybrid.npz", model)

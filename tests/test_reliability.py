@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 
 import minivit
-from minivit import checkpoint as ckpt
+from minivit.weights import checkpoint as ckpt
 from minivit import predict
 from minivit.data import SHAPES_CLASSES, Dataset, channel_mean_std, make_shapes
 from minivit.model import ViT, ViTConfig
 from minivit.optim import WarmupCosine
-from minivit.plot import read_metrics
+from minivit.train.plot import read_metrics
 from minivit.train import TrainConfig, TrainingDiverged, main, train
 
 ROOT = Path(__file__).resolve().parents[1]

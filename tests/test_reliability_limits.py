@@ -351,7 +351,7 @@ def write_safetensors(path, arrays, dtype):
 
 def test_bf16_safetensors_are_widened_and_integer_ones_refused_by_name(tmp_path):
     import minivit
-    from minivit import convert
+    from minivit.weights import convert
     from minivit.model import ViT, ViTConfig
 
     model = ViT(ViTConfig(img_size=32, patch_size=8, num_classes=3, embed_dim=16, depth=1, num_heads=2))

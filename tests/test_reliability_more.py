@@ -173,8 +173,8 @@ def stop(proc):
 
 
 def test_a_second_run_into_a_folder_in_use_is_refused_naming_it_and_the_pid(tmp_path):
-    from minivit import checkpoint as ckpt
-    from minivit.plot import read_metrics
+    from minivit.weights import checkpoint as ckpt
+    from minivit.train.plot import read_metrics
 
     out = tmp_path / "run"
     first = start_run(out, "--max-steps", "100000", "--eval-every", "4")
@@ -416,7 +416,7 @@ def test_a_fifo_in_an_image_folder_is_refused_by_name_not_waited_on(tmp_path):
 
 
 def test_a_metrics_line_that_is_not_an_object_is_named(tmp_path):
-    from minivit.plot import read_metrics
+    from minivit.train.plot import read_metrics
 
     (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n[1, 2, 3]\n{"step": 2}\n')
     with pytest.raises(ValueError, match=r"metrics.jsonl: line 2 is list '\[1, 2, 3\]', expected a JSON object"):

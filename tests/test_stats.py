@@ -1,4 +1,4 @@
-"""--log-stats: the per-layer statistics records (minivit.stats) written into metrics.jsonl by the trainer,
+"""--log-stats: the per-layer statistics records (minivit/train/stats.py) written into metrics.jsonl by the trainer,
 checked against numbers computed by hand from the model and its parameters before and after the step."""
 
 import dataclasses
@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 
 import minivit
-from minivit import stats, viz
+from minivit import viz
+from minivit.train import stats
 from minivit.data import Dataset, make_shapes
-from minivit.plot import plot_curves, plot_stats, read_metrics
+from minivit.train.plot import plot_curves, plot_stats, read_metrics
 from minivit.train import TrainConfig, train
 
 

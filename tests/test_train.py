@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import minivit
-from minivit import checkpoint as ckpt
+from minivit.weights import checkpoint as ckpt
 from minivit.train import TrainConfig, TrainingDiverged, main, train
 
 # a tiny model on a slice of `shapes`: each run takes a second or two
@@ -190,7 +190,8 @@ def test_cli_train_predict_plot(tmp_path, capsys):
     for i, img in enumerate(x):
         paths.append(str(tmp_path / f"img{i}.png"))
         Image.fromarray(img).save(paths[-1])
-    from minivit import plot, predict
+    from minivit import predict
+    from minivit.train import plot
     assert predict.main(paths + ["--checkpoint", str(out / "checkpoint.npz")]) == 0
     printed = capsys.readouterr().out
     assert printed.count("%") == 10 and "img0.png" in printed     # top-5 for each of the 2 images

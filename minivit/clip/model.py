@@ -277,7 +277,7 @@ class CLIP(Layer):
     def from_pretrained(cls, folder, dtype="float32"):
         """A CLIP with the weights of a Hugging Face transformers CLIPModel folder (save_pretrained's:
         config.json and model.safetensors, sharded or not); see minivit.hf. Saving: minivit.hf.save_pretrained."""
-        from ..hf import load_clip
+        from ..weights.hf import load_clip
         kwargs, state, meta = load_clip(folder)
         model = cls(CLIPConfig(**kwargs), dtype=dtype).load_state_dict(state)
         if meta:

@@ -8,7 +8,7 @@ The rooms, each importing only those above it:
     config.py      TrainConfig (every setting; the command line is generated from its fields), the recipes,
                    resolve, the run's length and evaluation cadence
     run_folder.py  OUT: the lock, metrics.jsonl, summary.json, atomic writes, the checks and restore of --resume
-    tasks.py       what a run trains, behind one interface: ClassificationTask here, CLIPTask in clip_train.py
+    tasks.py       what a run trains, behind one interface: ClassificationTask here, CLIPTask in clip/task.py
     loop.py        train(cfg) = set_up, run_loop, evaluate_and_save, finish; the signals; main
 
 What is written to OUT: metrics.jsonl (one line per evaluation), summary.json, checkpoint.npz (model,

@@ -43,7 +43,7 @@ RECIPES = {
     "finetune": dict(model="vit_base_patch16_224", img_size=384, epochs=None, max_steps=10000, batch_size=512,
                      lr=0.01, weight_decay=0.0, warmup_steps=500, label_smoothing=0.0, optimizer="sgd",
                      momentum=0.9, clip_grad=1.0, augment="standard"),
-    # CLIP (--task clip, minivit/clip_train.py) on the captioned shapes: 6.5 minutes of one CPU core (README)
+    # CLIP (--task clip, minivit/clip/task.py) on the captioned shapes: 6.5 minutes of one CPU core (README)
     "clip-shapes": dict(task="clip", model="clip_shapes_tiny", epochs=20, batch_size=128, lr=2e-3, weight_decay=0.1,
                         warmup_epochs=1, label_smoothing=0.0, optimizer="adamw", augment="none"),
     # CLIP on Fashion-MNIST captioned from its class names and each image's shade
@@ -59,7 +59,7 @@ BASE = dict(grad_accum=1, min_lr=0.0, momentum=0.9, mixup=0.0, cutmix=0.0, rando
 
 DEFAULT_RECIPE = {"cifar10": "fast", "fashion-mnist": "fashion-cpu", "shapes": "demo", "folder": "demo"}
 CLIP_RECIPE = {"shapes": "clip-shapes", "fashion-mnist": "clip-fashion"}   # --task clip's defaults
-TASKS = ("classify", "clip")            # clip: minivit/clip_train.py's batches, step and evaluation
+TASKS = ("classify", "clip")            # clip: minivit/clip/task.py's batches, step and evaluation
 OPTIMIZERS = ("adamw", "sgd")
 PRECISIONS = ("float32", "float16")     # float16: mixed precision (minivit/fast/amp.py)
 
@@ -86,7 +86,7 @@ class TrainConfig:
 
     # the data and the recipe
     dataset: str = option("cifar10", "the data set", DATASETS)
-    task: str = option(None, "classify: a ViT on labels; clip: CLIP on captions (minivit/clip_train.py; default: "
+    task: str = option(None, "classify: a ViT on labels; clip: CLIP on captions (minivit/clip/task.py; default: "
                              "the recipe's, else classify)", TASKS)
     data_dir: str = option(None, "where the data set lives (cifar10: data/; folder: required)")
     recipe: str = option(None, "named defaults (see README; default: fast for cifar10, fashion-cpu for "
@@ -216,7 +216,7 @@ def resolve(cfg):
     values["task"] = values["task"] or "classify"
     r = TrainConfig(**values)
     if r.task == "clip":
-        from ..clip_train import check_config
+        from ..clip.task import check_config
 
         check_config(r)                            # the classifier's options refused by name, the CLIP preset
     elif r.model not in presets:

@@ -2,7 +2,7 @@
 model, optimizer, a resumed state, the run folder), run_loop (the optimizer steps), evaluate_and_save (at
 each evaluation), finish (the summary); and the signals that stop a run cleanly, and main, the command line.
 
-The loop does not know which task it trains: run.task (tasks.py's ClassificationTask, or clip_train.py's
+The loop does not know which task it trains: run.task (tasks.py's ClassificationTask, or clip/task.py's
 CLIPTask) gives each step's batch, the step itself and the evaluation. One pass of run_loop:
     optimizer.lr = schedule(step)
     x, y = task.batch(step)                     # a function of (seed, step) alone
@@ -25,18 +25,19 @@ from dataclasses import dataclass
 import numpy
 from tqdm import tqdm
 
-from .. import backend, distributed, stats
+from .. import backend, distributed
 from ..fast.amp import LossScaler
-from ..checkpoint import save_checkpoint
+from ..weights.checkpoint import save_checkpoint
 from ..data import Dataset, resize_images
 from ..memory import check_fits, size_text
 from ..model import ViTConfig, presets
 from ..optim import SGD, AdamW, WarmupCosine, default_no_decay
-from ..plot import read_metrics
+from . import stats
 from .config import MODEL_FIELDS, TrainConfig, _pair, _parser, evaluation_steps, resolve, run_length
 from .run_folder import (_append_jsonl, _naming_path, _summary_of_a_finished_run, _write_jsonl_atomic,
                          check_out, check_resume_flags, check_resumed_data, lock_out, open_out, restore,
                          resume_config, settle_replaced, unlock_out, write_summary)
+from .plot import read_metrics
 from .tasks import check_labels, task_type
 
 # --------------------------------------------------------------------------------------------------
@@ -147,7 +148,7 @@ class Run:
     given_model: bool = False   # a model passed to train(), not built from cfg
     world: object = None        # several ranks (mpiexec): their communicator (minivit/distributed.py), else None
     dp: object = None           # and the DataParallel that exchanges each step's gradients
-    task: object = None         # tasks.ClassificationTask or clip_train.CLIPTask: batches, step, evaluation (set
+    task: object = None         # tasks.ClassificationTask or clip.task.CLIPTask: batches, step, evaluation (set
                                 # once the data are on the backend)
     x_train: object = None      # uint8 (N, H, W, C) on the backend
     y_train: object = None      # int64 (N,)

@@ -15,8 +15,8 @@ import os
 import numpy
 
 from .. import distributed
-from ..checkpoint import check_finite, load_checkpoint, remove_stale_temporaries, restore_dropout_rngs, write_atomic
-from ..plot import read_metrics
+from ..weights.checkpoint import check_finite, load_checkpoint, remove_stale_temporaries, restore_dropout_rngs, write_atomic
+from .plot import read_metrics
 from .config import RESUME_APPLIED, RESUME_RUNTIME, RUN_FILES, TrainConfig, _cadence, _flag, resolve, run_length
 
 # --------------------------------------------------------------------------------------------------
@@ -407,7 +407,7 @@ def write_summary(out, summary, history):
     _write_json_atomic(os.path.join(out, "summary.json"), summary)
     if history:
         try:
-            from ..plot import plot_curves
+            from .plot import plot_curves
 
             plot_curves(out, os.path.join(out, "curves.png"))
         except ImportError:  # matplotlib missing: the numbers are in metrics.jsonl

@@ -1,5 +1,5 @@
 """The tasks room: what a run trains, behind one interface that the loop calls without asking which task it
-is. ClassificationTask (a ViT on labels) is here; CLIPTask (CLIP on captions) is minivit/clip_train.py's.
+is. ClassificationTask (a ViT on labels) is here; CLIPTask (CLIP on captions) is minivit/clip/task.py's.
 
 A task type (task_type(cfg.task)) gives, before the run exists:
     load_data(cfg) -> (data, cfg)          the data set (cfg changed by a fallback)
@@ -132,7 +132,7 @@ def build_model(cfg, data, resumed=None):
     overrides.setdefault("img_size", (H, W))
     overrides.update(in_chans=C, num_classes=data.num_classes)
     if cfg.init:
-        from ..convert import from_pretrained
+        from ..weights.convert import from_pretrained
 
         model = from_pretrained(cfg.init, num_classes=data.num_classes, img_size=overrides["img_size"],
                                 gelu=cfg.init_gelu, seed=cfg.seed, dtype=cfg.dtype, new_head=cfg.new_head)
@@ -342,9 +342,9 @@ class ClassificationTask:
 
 
 def task_type(name):
-    """The task type of cfg.task: ClassificationTask for "classify", clip_train.CLIPTask for "clip"."""
+    """The task type of cfg.task: ClassificationTask for "classify", clip.task.CLIPTask for "clip"."""
     if name == "clip":
-        from ..clip_train import CLIPTask      # imported when asked for: CLIP's modules stay unloaded otherwise
+        from ..clip.task import CLIPTask      # imported when asked for: CLIP's modules stay unloaded otherwise
 
         return CLIPTask
     return ClassificationTask

@@ -32,11 +32,11 @@ import zipfile
 
 import numpy
 
-from .backend import as_numpy
+from ..backend import as_numpy
 from .checkpoint import check_finite, check_is_vit, load_checkpoint, read_npz
-from .embeddings import resize_pos_embed
+from ..embeddings import resize_pos_embed
 from .hf import load_vit
-from .model import ViT, ViTConfig, param_shapes
+from ..model import ViT, ViTConfig, param_shapes
 
 PATCH_KEY = "patch_embed.proj.weight"
 
@@ -653,7 +653,7 @@ def from_pretrained(path, num_classes=None, img_size=None, num_heads=None, gelu=
                     checkpoint_img_size=None, verbose=True, new_head=False):
     """A ViT with the weights of a published checkpoint, in one call: the original JAX release's
     .npz, timm's .safetensors / .pth / .bin, a minivit.checkpoint .npz (told by the content), or a
-    Hugging Face transformers ViT folder (config.json + weights, minivit/hf.py; its id2label and the
+    Hugging Face transformers ViT folder (config.json + weights, minivit/weights/hf.py; its id2label and the
     preprocessor's mean and std land in model.checkpoint_meta, which minivit.predict reads).
 
     num_classes: None keeps the checkpoint's head; another number puts a zero-initialised D -> K
@@ -668,7 +668,7 @@ def from_pretrained(path, num_classes=None, img_size=None, num_heads=None, gelu=
     Example: minivit.from_pretrained("ViT-B_16.npz", num_classes=10, img_size=384) for CIFAR-10.
     """
     meta = None
-    if os.path.isdir(path):                      # a Hugging Face transformers folder (minivit/hf.py)
+    if os.path.isdir(path):                      # a Hugging Face transformers folder (minivit/weights/hf.py)
         if num_heads is not None or gelu is not None or checkpoint_img_size is not None:
             raise ValueError(f"{os.fspath(path)!r} is a transformers folder: its config.json gives the heads, the "
                              f"GELU and the resolution, so num_heads, gelu and checkpoint_img_size must be None")

@@ -35,7 +35,7 @@ import types
 
 import numpy
 
-from .model import ViT, ViTConfig
+from ..model import ViT, ViTConfig
 
 CONFIG = "config.json"
 PREPROCESSOR = "preprocessor_config.json"

@@ -22,9 +22,9 @@ import zipfile
 
 import numpy
 
-from .layers import Dropout
-from .memory import check_fits, size_text
-from .model import DTYPES, ViT, ViTConfig, param_shapes
+from ..layers import Dropout
+from ..memory import check_fits, size_text
+from ..model import DTYPES, ViT, ViTConfig, param_shapes
 
 FORMAT = "minivit-checkpoint-1"
 
@@ -293,7 +293,7 @@ def check_is_vit(path, meta):
     if isinstance(config, dict) and "vision_width" in config:
         raise ValueError(f"{os.fspath(path)!r} is a CLIP checkpoint (an image and a text encoder, written by "
                          f"--task clip), not a ViT classifier: continue it with `python -m minivit.train --resume "
-                         f"--out <its run folder>`, or load it with minivit.clip_train's build_model")
+                         f"--out <its run folder>`, or load it with minivit.clip.task's build_model")
 
 
 def load_model(path, backend=None):

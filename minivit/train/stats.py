@@ -24,7 +24,7 @@ step starts from and every dropout off (so the dropout generators, and the run, 
 
 import math
 
-from minivit.backend import get_array_module, to_numpy
+from ..backend import get_array_module, to_numpy
 
 GELU_FLAT = -3.0   # below this GELU'(x) = Phi(x) + x phi(x) is within 0.012 of 0
 
@@ -44,7 +44,7 @@ def activation_stats(model, x):
     """One forward of x (B, H, W, C) stage by stage, in training mode with every dropout switched off:
     ({stage: (mean, std)}, {block: (attn_entropy, attn_max, gelu_flat)}) as 0-d device arrays, read later
     in one transfer. The model's mode (and so its dropouts') is restored."""
-    from minivit.layers import Dropout
+    from ..layers import Dropout
 
     was_training = model.training
     dropouts = [d for d in model.sublayers() if isinstance(d, Dropout)]

@@ -30,13 +30,13 @@ and every rank computes the same figures from all of them (recall@k ranks each p
 import dataclasses
 import math
 
-from . import backend, distributed
-from .fast import ops
-from .clip import (CLIP, CLIPConfig, contrastive_loss, encode_images, encode_texts, presets, retrieval_recall,
+from .. import backend, distributed
+from ..fast import ops
+from . import (CLIP, CLIPConfig, contrastive_loss, contrastive_loss_rows, encode_images, encode_texts, presets, retrieval_recall,
                    similarity_backward, similarity_forward, zero_shot_classifier)
-from .clip.captions import CAPTIONED_DATASETS, Tokenizer, batch_indices, caption_ids, load_captioned, tokenizer_for
-from .data import augment as A
-from .optim import AdamW, clip_grad_norm
+from .captions import CAPTIONED_DATASETS, Tokenizer, batch_indices, caption_ids, load_captioned, tokenizer_for
+from ..data import augment as A
+from ..optim import AdamW, clip_grad_norm
 
 # The trainer's options CLIP's task has no use for, with the one value each may take (None: not given).
 # The model is a preset of minivit.clip.presets (--model), sized to the data set's images and vocabulary.
@@ -253,7 +253,7 @@ def global_batch_backward(model, comm, x, tokens):
     I, T = distributed.all_gather_rows(comm, I_r), distributed.all_gather_rows(comm, T_r)   # (B, E) each
     logits_img, cache_img = similarity_forward(I_r, T, model.params["logit_scale"])   # (b, B)
     logits_txt, cache_txt = similarity_forward(T_r, I, model.params["logit_scale"])   # (b, B)
-    loss, dlogits_img, dlogits_txt = distributed.contrastive_loss_rows(logits_img, logits_txt, comm.rank)
+    loss, dlogits_img, dlogits_txt = contrastive_loss_rows(logits_img, logits_txt, comm.rank)
     dI_r, dT, dscale_img = similarity_backward(dlogits_img, cache_img)  # (b, E), (B, E), ()
     dT_r, dI, dscale_txt = similarity_backward(dlogits_txt, cache_txt)  # (b, E), (B, E), ()
     dI_r = dI_r + distributed.all_gather_rows_backward(comm, dI)         # (b, E) + every rank's use of I_r
