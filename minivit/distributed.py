@@ -338,9 +338,9 @@ def check_global_batch(batch_size, world_size, grad_accum=1, resumed=False):
                          f"{world_size} ranks, and it cannot change on --resume: start it with mpiexec -n R for R in "
                          f"{counts[:12]}")
     if batch_size % world_size:
+        fits = world_size * max(1, batch_size // world_size)
         raise ValueError(f"the global batch size {batch_size} must divide by the number of ranks {world_size} "
-                         f"(each rank takes B / R images): use a batch size of {world_size * max(1, batch_size // world_size)} "
-                         f"or another number of ranks")
+                         f"(each rank takes B / R images): use a batch size of {fits} or another number of ranks")
     b = batch_size // world_size
     if b % grad_accum:
         raise ValueError(f"grad_accum {grad_accum} must divide each rank's {b} images (batch size {batch_size} "

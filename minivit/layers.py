@@ -623,8 +623,8 @@ class PreLogits(Layer):
 # The layers that make the tokens (patches, class token, position embeddings, token ids) moved to
 # embeddings.py, which builds on this file: an old `layers.PosEmbed` says where to look.
 MOVED_TO_EMBEDDINGS = ("PatchEmbed", "prepend_tokens_forward", "prepend_tokens_backward", "PosEmbed",
-                       "resize_pos_embed", "_linear_resize", "POS_EMBED_KINDS", "check_pos_embed", "sincos2d_table", "GridPosEmbed",
-                       "Embedding")
+                       "resize_pos_embed", "_linear_resize", "POS_EMBED_KINDS", "check_pos_embed", "sincos2d_table",
+                       "GridPosEmbed", "Embedding")
 
 
 def __getattr__(name):

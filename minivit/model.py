@@ -380,7 +380,8 @@ class Classifier(Layer):
         if matmul_dtype not in (None, "float16"):
             raise ValueError(f"matmul_dtype must be 'float16', 'float32' or None, got {matmul_dtype!r}")
         if matmul_dtype is not None and self.dtype != "float32":
-            raise ValueError(f"mixed precision needs a float32 model (float32 master weights), this one is {self.dtype}")
+            raise ValueError(f"mixed precision needs a float32 model (float32 master weights), "
+                             f"this one is {self.dtype}")
         if matmul_dtype is not None and self.backend == "numpy":
             warnings.warn("float16 matrix products on NumPy run without BLAS, a few hundred times slower than "
                           "float32: mixed precision pays on the GPU (CuPy, tensor cores); on the CPU it is for "

@@ -54,7 +54,8 @@ def _positive_int(text):
 
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m minivit.predict", description="Top-5 classes of image files.")
-    p.add_argument("images", nargs="+", help="image files: PNG, JPEG, BMP, GIF, TIFF, WebP or PPM (minivit.data.IMAGE_FORMATS)")
+    p.add_argument("images", nargs="+",
+                   help="image files: PNG, JPEG, BMP, GIF, TIFF, WebP or PPM (minivit.data.IMAGE_FORMATS)")
     p.add_argument("--checkpoint", required=True, help="a checkpoint.npz written by minivit.train, or its run folder, "
                    "or a Hugging Face transformers ViT folder (config.json + model.safetensors)")
     p.add_argument("--top", type=_positive_int, default=5, help="how many classes to list per image")

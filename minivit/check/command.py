@@ -17,7 +17,8 @@ def main(argv=None):
     parser.add_argument("names", nargs="*", metavar="NAME", help="ops to check (default: all)")
     parser.add_argument("-v", "--verbose", action="store_true", help="show every gradient row of the composite ops")
     parser.add_argument("--no-kernels", action="store_true",
-                        help="leave out the comparison with minivit/fast/kernels.py (when you changed the math on purpose)")
+                        help="leave out the comparison with minivit/fast/kernels.py "
+                             "(when you changed the math on purpose)")
     parser.add_argument("--model", metavar="FILE.py:FUNC",
                         help="check every layer of the model FUNC() builds (FUNC(dtype='float64') if it takes dtype), "
                              "instead of the ops")

@@ -60,7 +60,8 @@ def check_layernorm(rng, use_kernels):
     layer.params["bias"][...] = _random(rng, D)
     x = _random(rng, (B, N, D), scale=2.0, shift=1.0)
     w, b = layer.params["weight"], layer.params["bias"]
-    rows = [_forward_row("layernorm", "forward: layers.LayerNorm vs functional", layer.forward(x), _layernorm(layer.params, x))]
+    rows = [_forward_row("layernorm", "forward: layers.LayerNorm vs functional", layer.forward(x),
+                         _layernorm(layer.params, x))]
     if use_kernels:
         rows += _kernel_rows("layernorm", "layernorm", [x, w, b],
                              lambda m, x, w, b: m.layernorm_forward(x, w, b, 1e-6),
@@ -200,7 +201,8 @@ def check_block(rng, use_kernels):
 def check_pos_embed(rng, use_kernels):
     layer = _randomise(E.PosEmbed(6, 8, class_token=True, dtype="float64"), rng)
     x = _random(rng, (B, 6, 8))
-    rows = [_forward_row("pos_embed", "forward: embeddings.PosEmbed vs functional", layer.forward(x), _pos_embed(layer.params, x))]
+    rows = [_forward_row("pos_embed", "forward: embeddings.PosEmbed vs functional", layer.forward(x),
+                         _pos_embed(layer.params, x))]
     return rows + _gradient_rows("pos_embed", layer, x, factors={"B": B},
                                  axes={"dx": TOKENS, "dcls_token": ("1", "1", "D"), "dpos_embed": ("1", "N+1", "D")})
 
@@ -306,7 +308,8 @@ def check_head(rng, use_kernels):
     pre_logits, head = L.PreLogits(D, R, dtype="float64"), L.Linear(R, K, dtype="float64")
     layer = _randomise(_Stages([("norm", norm), ("pool", pool), ("pre_logits", pre_logits), ("head", head)]), rng)
     x = _random(rng, (B, N, D))
-    y = F.tanh_forward(_linear(_sub(layer.params, "pre_logits.fc."), _layernorm(_sub(layer.params, "norm."), x)[:, 0]))[0]
+    normed = _layernorm(_sub(layer.params, "norm."), x)[:, 0]                         # (B, D)
+    y = F.tanh_forward(_linear(_sub(layer.params, "pre_logits.fc."), normed))[0]
     rows = [_forward_row("head", "forward: norm, pool, pre_logits, head vs functional", layer.forward(x),
                          _linear(_sub(layer.params, "head."), y))]
     return rows + _gradient_rows("head", layer, x, axes={"dx": TOKENS}, factors={"B": B})
@@ -446,7 +449,8 @@ def _optimizer_rows(op, make, by_hand, new_state, wd, rng):
             rows.append(Row(op, what, math.inf, TOL_SAME,
                             f"the parameter array was replaced (a new array put into params) instead of updated in "
                             f"place: whatever holds the old array (data parallel's flat buffers, a caller's "
-                            f"reference) no longer sees the model's {name}; update it in place (p -= ..., p[...] = ...)"))
+                            f"reference) no longer sees the model's {name}; "
+                            f"update it in place (p -= ..., p[...] = ...)"))
         else:
             rows.append(_forward_row(op, what, layer.params[name], hand[name][0]))
     return rows
@@ -463,7 +467,8 @@ def _rebound(row, name, before, after, fn):
 
 # name -> (check, what it covers); `python -m minivit.check --help` prints this table
 OPS = {
-    "patch_embed": (check_patch_embed, "embeddings.PatchEmbed: functional.im2patch / patch2im, the linear projection E"),
+    "patch_embed": (check_patch_embed,
+                    "embeddings.PatchEmbed: functional.im2patch / patch2im, the linear projection E"),
     "linear": (check_linear, "layers.Linear: functional.linear_forward / linear_backward"),
     "layernorm": (check_layernorm, "layers.LayerNorm: functional.layernorm_* (and kernels.layernorm_*)"),
     "gelu_erf": (check_gelu_erf, "layers.GELU('erf'): functional.gelu_* (and kernels.gelu_*)"),

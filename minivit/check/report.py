@@ -110,7 +110,8 @@ class Report:
         n_ops = len(ops)
         if wrong:
             names = ", ".join(r.label for r in wrong[:8]) + (" ..." if len(wrong) > 8 else "")
-            lines.append(f"{len(wrong)} WRONG of {len(self.rows)} checks in {n_ops} ops ({self.seconds:.1f} s): {names}")
+            lines.append(f"{len(wrong)} WRONG of {len(self.rows)} checks in {n_ops} ops "
+                         f"({self.seconds:.1f} s): {names}")
         else:
             lines.append(f"all {len(self.rows)} checks in {n_ops} ops ok ({self.seconds:.1f} s)")
         return "\n".join(lines)
@@ -187,7 +188,9 @@ def _factor(c, factors):
     for symbol, value in factors.items():
         for v, name in ((value, symbol), (1 / value, f"1/{symbol}")):
             if abs(c - v) <= 1e-4 * abs(v):
-                return f"{text} (= {name}, {symbol} = {value:g} here)" if symbol.isidentifier() else f"{text} (= {name})"
+                if symbol.isidentifier():
+                    return f"{text} (= {name}, {symbol} = {value:g} here)"
+                return f"{text} (= {name})"
     return text
 
 
@@ -195,8 +198,9 @@ def diagnose(got, expected, axes=None, refs=None, factors=None):
     """The likeliest simple cause of ``got`` differing from ``expected`` (two arrays of one shape, or 1-D
     samples of them, where only the shape-free tests run), in words; "" when none fits.
 
-    axes: a name per axis, e.g. ("B", "N", "D"), default "axis 0", ...; () for samples; refs: {name: array of got's shape} that the error may be
-    proportional to along the last axis, row by row (e.g. LayerNorm's xhat); factors: {symbol: value} to name
+    axes: a name per axis, e.g. ("B", "N", "D"), default "axis 0", ...; () for samples; refs: {name: array of
+    got's shape} that the error may be proportional to along the last axis, row by row (e.g. LayerNorm's
+    xhat); factors: {symbol: value} to name
     a constant factor by (e.g. {"B": 3}: "x0.3333 (= 1/B)")."""
     a, n = np.asarray(got, dtype=np.float64), np.asarray(expected, dtype=np.float64)
     sampled = axes == ()

@@ -32,8 +32,8 @@ import math
 
 from .. import backend, distributed
 from ..fast import ops
-from . import (CLIP, CLIPConfig, contrastive_loss, contrastive_loss_rows, encode_images, encode_texts, presets, retrieval_recall,
-                   similarity_backward, similarity_forward, zero_shot_classifier)
+from . import (CLIP, CLIPConfig, contrastive_loss, contrastive_loss_rows, encode_images, encode_texts, presets,
+               retrieval_recall, similarity_backward, similarity_forward, zero_shot_classifier)
 from .captions import CAPTIONED_DATASETS, Tokenizer, batch_indices, caption_ids, load_captioned, tokenizer_for
 from ..data import augment as A
 from ..optim import AdamW, clip_grad_norm
@@ -93,8 +93,8 @@ class CLIPTask:
     run.dp: its ranks. resumed: the checkpoint the run continues, whose tokenizer it keeps."""
 
     # the figures of the last evaluation that summary.json repeats
-    SUMMARY = ("zero_shot_accuracy", "zero_shot_seen", "zero_shot_held_out", "image_to_text@1", "text_to_image@1", "image_to_text@5",
-               "text_to_image@5", "eval_pairs", "logit_scale")
+    SUMMARY = ("zero_shot_accuracy", "zero_shot_seen", "zero_shot_held_out", "image_to_text@1", "text_to_image@1",
+               "image_to_text@5", "text_to_image@5", "eval_pairs", "logit_scale")
     ACCURACY = "zero-shot"      # what val_acc is: "final zero-shot accuracy" in the last line of the command line
 
     @staticmethod

@@ -59,7 +59,8 @@ class LossScaler:
         self.backoff_factor = _positive("backoff_factor", backoff_factor)
         if self.backoff_factor >= 1.0:
             raise ValueError(f"backoff_factor must be in (0, 1), got {backoff_factor!r}")
-        if isinstance(growth_interval, bool) or not isinstance(growth_interval, numbers.Integral) or growth_interval < 1:
+        if (isinstance(growth_interval, bool) or not isinstance(growth_interval, numbers.Integral)
+                or growth_interval < 1):
             raise ValueError(f"growth_interval must be an integer >= 1, got {growth_interval!r}")
         self.growth_interval = int(growth_interval)
         self.min_scale = _positive("min_scale", min_scale)
@@ -98,8 +99,9 @@ class LossScaler:
         self.good_steps = 0
         new = self.scale_value * self.backoff_factor
         if new < self.min_scale:
-            raise FloatingPointError(f"the gradients are inf or nan even with the loss scale at {self.scale_value:.3g}: "
-                                     "the model diverged (try a lower learning rate or gradient clipping)")
+            raise FloatingPointError(f"the gradients are inf or nan even with the loss scale at "
+                                     f"{self.scale_value:.3g}: the model diverged (try a lower learning rate or "
+                                     "gradient clipping)")
         self.scale_value = new
         return new
 

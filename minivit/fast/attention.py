@@ -47,7 +47,8 @@ class AttentionCache(tuple):
 # each take whole chunks, with BLAS set to one thread meanwhile (threadpoolctl); NumPy's matmul and the
 # Numba kernels (nogil) release the GIL, so the threads really run at once. This needs OpenBLAS's own
 # idle threads to sleep rather than spin (minivit/_blas_env.py, which sees to it whatever the import
-# order): otherwise they hold the cores and the threads gain nothing. Measured on 2 cores, CIFAR model, batch 64: a training step 395 -> 345 ms.
+# order): otherwise they hold the cores and the threads gain nothing. Measured on 2 cores, CIFAR model,
+# batch 64: a training step 395 -> 345 ms.
 # Tried and dropped: the per-head products as Numba loops (2.2x slower than BLAS).
 #
 # GPU: the chunks only bound the memory the scores take (ViT-B/16 at batch 128: 238 MB, one chunk). The

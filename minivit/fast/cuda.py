@@ -180,7 +180,9 @@ extern "C" __global__ void softmax_lse_fwd(T* s, T* lse, int n, T scale) {   // 
     for (int i = threadIdx.x; i < n; i += blockDim.x) m_raw = max(m_raw, s[base + i]);
     m_raw = block_max(m_raw, buf);                                 // max_j q_i.k_j (scale > 0)
     T total = 0;                                                   // subtract, then scale: exp(0) = 1 for the max
-    for (int i = threadIdx.x; i < n; i += blockDim.x) { T e = exp((s[base + i] - m_raw) * scale); s[base + i] = e; total += e; }
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        T e = exp((s[base + i] - m_raw) * scale); s[base + i] = e; total += e;
+    }
     total = block_sum(total, buf);
     T inv = (T)1 / total;
     for (int i = threadIdx.x; i < n; i += blockDim.x) s[base + i] *= inv;          // p_ij
@@ -195,7 +197,9 @@ extern "C" __global__ void softmax_lse_bwd(T* s, T* dp, int n, T scale) {  // s 
     for (int i = threadIdx.x; i < n; i += blockDim.x) m_raw = max(m_raw, s[base + i]);   // from the scores
     m_raw = block_max(m_raw, buf);                                 // alone (exp(scale q.k - lse) would cancel)
     T total = 0;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) { T e = exp((s[base + i] - m_raw) * scale); s[base + i] = e; total += e; }
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        T e = exp((s[base + i] - m_raw) * scale); s[base + i] = e; total += e;
+    }
     T inv = (T)1 / block_sum(total, buf);
     T d = 0;
     for (int i = threadIdx.x; i < n; i += blockDim.x) {

@@ -193,8 +193,8 @@ class OpsReport:
         groups = {}
         for path, cls, calls, note in per_layer:
             key, index = _group_key(path)
-            sig = (key, cls, repr(sorted((op, sorted((d, sorted(s)) for d, s in r.items())) for op, r in calls.items())),
-                   note.replace(path, "{path}") if path else note)
+            ran = sorted((op, sorted((d, sorted(s)) for d, s in r.items())) for op, r in calls.items())
+            sig = (key, cls, repr(ran), note.replace(path, "{path}") if path else note)
             if index is not None and sig in groups:
                 groups[sig][1].append(index)
                 continue
@@ -220,7 +220,9 @@ class OpsReport:
                 else:
                     where = f"in the place of minivit's {base}"
                 if op in calls:
-                    return "" if own else f"{path} is {cls} ({where}), which calls ops.{op}_forward: {kernel} stays in use"
+                    if own:
+                        return ""
+                    return f"{path} is {cls} ({where}), which calls ops.{op}_forward: {kernel} stays in use"
                 return (f"{path} is {cls}" + (f" ({where})" if where else "") +
                         f", which does not call ops.{op}_forward: {kernel} is not used there")
         if not own and not calls:

@@ -93,7 +93,8 @@ class TrainConfig:
                                "fashion-mnist, demo for shapes and folder)", tuple(sorted(RECIPES)))
     # the model: None takes the recipe's value, else the preset's
     model: str = option(None, "a preset name, e.g. vit_cifar_tiny (minivit.presets; default: the recipe's)")
-    img_size: int | tuple = option(None, "resize images to this side (default: the recipe's, else the data set's own)", parse=int)
+    img_size: int | tuple = option(None, "resize images to this side (default: the recipe's, else the data set's own)",
+                                   parse=int)
     patch_size: int = option(None, "P: the side of a patch (default: the preset's)")
     embed_dim: int = option(None, "D: the width of every token (default: the recipe's, else the preset's)")
     depth: int = option(None, "the number of transformer blocks (default: the recipe's, else the preset's)")

@@ -275,7 +275,8 @@ def set_up(cfg, model=None, data=None):
 
 
 def _set_up_out_and_device(run, task, cfg, data, model, resumed, world, given_model, total_steps):
-    """set_up's part that runs under the folder's lock: the folder opened, the data on the backend, the ops announced."""
+    """set_up's part that runs under the folder's lock: the folder opened, the data on the backend, the ops
+    announced."""
     if run.lock is not None:
         run.replaced = open_out(cfg.out, overwrite=cfg.overwrite)
         if resumed is not None and os.path.exists(os.path.join(cfg.out, "metrics.jsonl")):
@@ -289,7 +290,8 @@ def _set_up_out_and_device(run, task, cfg, data, model, resumed, world, given_mo
     if cfg.verbose:
         for line in run.task.announce_ops():
             print(line, flush=True)
-        print(f"training {model.num_params():,}-parameter {type(model).__name__} ({_describe(cfg, model, given_model)}) "
+        described = _describe(cfg, model, given_model)
+        print(f"training {model.num_params():,}-parameter {type(model).__name__} ({described}) "
               f"on {data.name} ({data.x_train.shape[0]} images, {data.num_classes} classes) with "
               f"{backend.get_backend()}, {total_steps} steps of batch {cfg.batch_size}", flush=True)
 
@@ -371,7 +373,8 @@ def run_loop(run, callback=None):
                 run.step += 1
                 run.seen_loss += loss * cfg.batch_size        # (with several ranks x holds this rank's slice)
                 if logged and run.writes:
-                    _append_jsonl(os.path.join(cfg.out, "metrics.jsonl"), stats.step_record(run.step, model, before, *acts))
+                    record = stats.step_record(run.step, model, before, *acts)
+                    _append_jsonl(os.path.join(cfg.out, "metrics.jsonl"), record)
                 run.seen_correct += correct
                 run.seen_images += cfg.batch_size
                 bar.update(1)
@@ -423,8 +426,8 @@ def evaluate_and_save(run):
     if run.cfg.out is not None and run.writes:      # rank 0 alone writes
         _append_jsonl(os.path.join(run.cfg.out, "metrics.jsonl"), record)
         extra = {"step": run.step, "best_val_accuracy": run.best, "train_config": dataclasses.asdict(run.cfg),
-                 "classes": run.data.classes, "num_classes": len(run.data.classes), "mean": list(run.data.mean), "std": list(run.data.std),
-                 "dataset": run.data.name}
+                 "classes": run.data.classes, "num_classes": len(run.data.classes), "mean": list(run.data.mean),
+                 "std": list(run.data.std), "dataset": run.data.name}
         if run.scaler is not None:
             extra["loss_scaler"] = run.scaler.state_dict()
         extra.update(run.task.checkpoint_extra())             # CLIP: its tokenizer
@@ -456,7 +459,8 @@ def finish(run, stopped_by):
                "images_per_second": (run.step - run.start_step) * run.cfg.batch_size / max(wall, 1e-9),
                "interrupted": stopped_by is not None, "signal": stopped_by, "backend": backend.get_backend(),
                "dataset": run.data.name, "num_params": run.model.num_params(), "config": run.model.config.to_dict(),
-               "train_config": dataclasses.asdict(run.cfg), "world_size": 1 if run.world is None else run.world.world_size}
+               "train_config": dataclasses.asdict(run.cfg),
+               "world_size": 1 if run.world is None else run.world.world_size}
     if run.scaler is not None:
         summary.update(loss_scale=run.scaler.scale_value, skipped_steps=run.scaler.skipped_steps)
     summary.update({k: v for k, v in last.items() if k in run.task.SUMMARY})   # CLIP: zero-shot, retrieval
@@ -476,8 +480,9 @@ def _describe(cfg, model, given_model):
         name = "a model given to train()" if given_model else f"from {cfg.init}"
     else:
         preset = presets[cfg.model]
-        changed = [f for f in ("patch_size", "embed_dim", "depth", "num_heads", "mlp_ratio", "pool", "pos_embed", "stem",
-                               "drop_rate", "drop_path_rate") if getattr(c, f) != getattr(preset, f)]
+        fields = ("patch_size", "embed_dim", "depth", "num_heads", "mlp_ratio", "pool", "pos_embed", "stem",
+                  "drop_rate", "drop_path_rate")
+        changed = [f for f in fields if getattr(c, f) != getattr(preset, f)]
         name = cfg.model + (f" with {', '.join(changed)} changed" if changed else "")
     return f"{name}: D={c.embed_dim}, depth={c.depth}, patch={c.patch_size}, img={c.img_size}"
 

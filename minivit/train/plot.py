@@ -68,10 +68,10 @@ def plot_curves(history, path=None, title=None):
 
 def plot_stats(records, path=None, title=None):
     """Four panels (2 x 2, a legend right of each) from --log-stats records (a list, or a run folder): against
-    the step, the std of each stage's output; the gradient norm and the update-to-parameter ratio ||theta' - theta|| / ||theta|| of
-    every weight matrix (log scale; the dashed line is the 1e-3 rule of thumb); each block's attention
-    entropy (1: uniform, 0: one-hot) and fraction of GELU inputs in its flat tail. Saves to path when
-    given; returns the matplotlib Figure."""
+    the step, the std of each stage's output; the gradient norm and the update-to-parameter ratio
+    ||theta' - theta|| / ||theta|| of every weight matrix (log scale; the dashed line is the 1e-3 rule of
+    thumb); each block's attention entropy (1: uniform, 0: one-hot) and fraction of GELU inputs in its flat
+    tail. Saves to path when given; returns the matplotlib Figure."""
     import matplotlib
 
     if path is not None and matplotlib.get_backend().lower() not in ("agg", "module://matplotlib_inline.backend_inline"):
@@ -104,7 +104,8 @@ def plot_stats(records, path=None, title=None):
     blocks = list(records[0]["blocks"])
     colours = plt.cm.viridis([i / max(len(blocks) - 1, 1) for i in range(len(blocks))])
     for name, colour in zip(blocks, colours):
-        axes[3].plot(steps, [r["blocks"][name]["attn_entropy"] for r in records], color=colour, label=f"{name} attention entropy")
+        entropy = [r["blocks"][name]["attn_entropy"] for r in records]
+        axes[3].plot(steps, entropy, color=colour, label=f"{name} attention entropy")
         axes[3].plot(steps, [r["blocks"][name]["gelu_flat"] for r in records], color=colour, ls=":",
                      label=f"{name} GELU flat")
     axes[3].set(xlabel="step", ylim=(-0.03, 1.03), title="attention entropy / log N (solid), GELU flat (dotted)")

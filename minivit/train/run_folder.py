@@ -15,7 +15,8 @@ import os
 import numpy
 
 from .. import distributed
-from ..weights.checkpoint import check_finite, load_checkpoint, remove_stale_temporaries, restore_dropout_rngs, write_atomic
+from ..weights.checkpoint import (check_finite, load_checkpoint, remove_stale_temporaries, restore_dropout_rngs,
+                                  write_atomic)
 from .plot import read_metrics
 from .config import RESUME_APPLIED, RESUME_RUNTIME, RUN_FILES, TrainConfig, _cadence, _flag, resolve, run_length
 
@@ -75,8 +76,8 @@ def check_out(cfg):
                          f"replace it with --overwrite, or choose another --out")
 
 
-LOCK_FILE = ".lock"            # OUT/.lock: held (fcntl.flock) by the run writing OUT, holding its pid, removed at its end
-REPLACED = ".replaced-run"     # OUT/.replaced-run/: the run --overwrite replaces, kept until the new one's first checkpoint
+LOCK_FILE = ".lock"            # OUT/.lock: held (fcntl.flock) by the run writing OUT, its pid inside; removed at end
+REPLACED = ".replaced-run"     # OUT/.replaced-run/: the run --overwrite replaces, kept to the new run's 1st checkpoint
 
 
 class RunFolderInUse(RuntimeError):
@@ -93,7 +94,8 @@ def _lock_pid(fd):
 
 def _in_use(out, pid):
     return RunFolderInUse(f"--out {out} is in use by another run (pid {pid if pid is not None else 'unknown'}, which "
-                          f"holds {os.path.join(out, LOCK_FILE)}): wait for it to end or stop it, or choose another --out")
+                          f"holds {os.path.join(out, LOCK_FILE)}): wait for it to end or stop it, "
+                          f"or choose another --out")
 
 
 def check_not_in_use(out):

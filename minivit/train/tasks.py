@@ -91,7 +91,10 @@ def prepare_data(cfg):
     name = "fashion-mnist" if fashion else "shapes"
     where = "Fashion-MNIST (Debian's copy in /usr/share/datasets/fashion-mnist)" if fashion else \
         "`shapes`, the procedural data set that needs no download"
-    note = f", with the '{DEFAULT_RECIPE[name]}' recipe" if cfg.recipe is None else f", keeping the '{cfg.recipe}' recipe"
+    if cfg.recipe is None:
+        note = f", with the '{DEFAULT_RECIPE[name]}' recipe"
+    else:
+        note = f", keeping the '{cfg.recipe}' recipe"
     print(CIFAR_UNAVAILABLE.format(reason=reason, root=root, fallback=where, note=note), flush=True)
     cfg = dataclasses.replace(cfg, dataset=name, data_dir=None)
     return load_dataset(cfg.dataset, cfg.data_dir), cfg

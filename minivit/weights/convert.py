@@ -104,7 +104,8 @@ def timm_kwargs(config):
                   class_token=config.pool == "cls", global_pool="token" if config.pool == "cls" else "avg",
                   fc_norm=False)
     if getattr(config, "num_registers", 0):
-        kwargs["reg_tokens"] = config.num_registers   # reg_token (1, nr, D); pos_embed covers them (no_embed_class=False)
+        kwargs["reg_tokens"] = config.num_registers   # reg_token (1, nr, D); pos_embed covers them
+                                                      # (no_embed_class=False)
     if config.pre_norm != (not config.patch_bias):
         raise ValueError(f"timm drops the patch projection's bias exactly when pre_norm is on (as CLIP does); "
                          f"pre_norm={config.pre_norm} with patch_bias={config.patch_bias} has no timm equivalent")

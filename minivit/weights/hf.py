@@ -203,7 +203,8 @@ def _get(config, key, where, kinds=(int,)):
 def _gelu(config, where):
     act = config.get("hidden_act", "gelu")
     if act not in GELU_BY_ACT:
-        raise ValueError(f"{where}: hidden_act={act!r} is not a GELU minivit has; expected one of {sorted(GELU_BY_ACT)}")
+        raise ValueError(f"{where}: hidden_act={act!r} is not a GELU minivit has; "
+                         f"expected one of {sorted(GELU_BY_ACT)}")
     return GELU_BY_ACT[act]
 
 
@@ -283,7 +284,8 @@ def vit_config_from_hf(config, where, num_labels=None):
     eps = _get(config, "layer_norm_eps", where, (float, int))
     return ViTConfig(img_size=size, patch_size=_get(config, "patch_size", where),
                      in_chans=config.get("num_channels", 3), num_classes=num_labels or 1, embed_dim=D,
-                     depth=_get(config, "num_hidden_layers", where), num_heads=_get(config, "num_attention_heads", where),
+                     depth=_get(config, "num_hidden_layers", where),
+                     num_heads=_get(config, "num_attention_heads", where),
                      mlp_ratio=M / D, qkv_bias=bool(config.get("qkv_bias", True)), gelu=_gelu(config, where),
                      norm_eps=float(eps))
 
