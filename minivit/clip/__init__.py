@@ -20,8 +20,12 @@ The rooms:
     model.py      the text tower, CLIPConfig, CLIP, presets, open_clip's names and layouts
     zero_shot.py  features in eval mode, zero-shot classification, retrieval recall
     captions.py   the tokenizers and the captioned data sets (minivit.clip.captions; old name minivit.captions)
+    task.py       CLIP's task for the trainer (--task clip): its data, batches, step on R ranks too, evaluation
+                  (minivit.clip.task, loaded when first named; old name minivit.clip_train)
 Every public name of loss, model and zero_shot is here too: ``minivit.clip.CLIP``, ``minivit.clip.contrastive_loss``.
 """
+
+import importlib
 
 from .loss import (L2Normalize, Similarity, contrastive_loss, contrastive_loss_rows, l2_normalize_backward,
                    l2_normalize_forward, similarity_backward, similarity_forward)
@@ -32,3 +36,11 @@ __all__ = ["L2Normalize", "Similarity", "contrastive_loss", "contrastive_loss_ro
            "l2_normalize_forward", "similarity_backward", "similarity_forward", "CLIP", "CLIPConfig",
            "TextTransformer", "from_open_clip", "open_clip_config", "presets", "to_open_clip", "encode_images",
            "encode_texts", "retrieval_recall", "zero_shot_classifier", "zero_shot_predict"]
+
+
+def __getattr__(name):
+    """``minivit.clip.task`` (the trainer's part, which loads the data sets and distributed): imported when
+    first named, so that ``import minivit.clip`` stays a model and its loss."""
+    if name == "task":
+        return importlib.import_module(".task", __name__)
+    raise AttributeError(f"module 'minivit.clip' has no attribute {name!r}")
