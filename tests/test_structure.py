@@ -53,7 +53,8 @@ LEVELS = [
     ("data",),                      # load_dataset, and every reader's public name
     ("clip.captions",),             # CLIP's tokenizers and captioned images, built on data
     ("checkpoint", "distributed"),  # the trainer's .npz files; data parallelism over MPI and NCCL
-    ("clip_train",),                # CLIP's task for the trainer: its data, batches, step (on R ranks too), evaluation
+    ("clip_train", "mae.task"),     # CLIP's task for the trainer: its data, batches, step (on R ranks too), evaluation;
+                                    # MAE's (pre-training, a k-NN probe) and the fine-tuning from its checkpoint
     ("convert",),                   # published checkpoints (timm, JAX) and from_pretrained: above the model
     ("viz", "plot"),                # pictures: attention maps and patches, training curves
     ("train.config",),              # the trainer's settings: TrainConfig, the recipes, resolve, the flags' parser

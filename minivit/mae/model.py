@@ -195,6 +195,15 @@ class MAE(Layer):
         x = self.decoder_pred.forward(self.decoder_norm.forward(x))   # (B, 1+N, P*P*C)
         return x[:, 1:]                                          # (B, N, P*P*C)  the class token's row dropped
 
+    def features(self, imgs):
+        """The encoder on ALL the patches (no masking), its class token after the final norm: (B, D), what the
+        fine-tuned ViT's head reads. For probing in eval mode (the k-NN of mae/task.py); it has no backward."""
+        x = self.pos_embed.forward(self.patch_embed.forward(imgs))              # (B, N, D)
+        x, _ = prepend_tokens_forward(x, self.params["cls_token"], None)       # (B, 1+N, D)
+        for blk in self.blocks:
+            x = blk.forward(x)
+        return self.norm.forward(x)[:, 0]                                      # (B, D)
+
     def backward(self, dpred):
         """dpred: (B, N, P*P*C), e.g. from forward_loss. Returns dimgs (B, H, W, C)."""
         return self.backward_encoder(self.backward_decoder(dpred))
