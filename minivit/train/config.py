@@ -205,8 +205,8 @@ def resolve(cfg):
     if cfg.recipe is None:
         default = {"clip": CLIP_RECIPE, "mae": MAE_RECIPE}.get(cfg.task, DEFAULT_RECIPE)
         if cfg.dataset not in default:
-            raise ValueError(f"--task {cfg.task} has a default recipe for {tuple(default)}, got {cfg.dataset!r}: "
-                             f"name one with --recipe")
+            what = "trains on a captioned data set:" if cfg.task == "clip" else "has a default recipe for"
+            raise ValueError(f"--task {cfg.task} {what} {tuple(default)}, got {cfg.dataset!r}")
         cfg = dataclasses.replace(cfg, recipe=default[cfg.dataset])
     if cfg.recipe not in RECIPES:
         raise ValueError(f"unknown recipe {cfg.recipe!r}; choose one of {sorted(RECIPES)}")
