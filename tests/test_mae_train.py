@@ -81,3 +81,20 @@ def test_classifier_flags_are_refused_by_name(flag, value):
     cfg = T.TrainConfig(task="mae", dataset="shapes", out=None, max_steps=1, **{flag: value})
     with pytest.raises(ValueError, match="--task mae"):
         T.resolve(cfg)
+
+
+def test_the_experiment_writes_its_table_with_the_command(tmp_path):
+    from minivit.data import load_dataset
+    try:
+        load_dataset("fashion-mnist")
+    except FileNotFoundError:
+        pytest.skip("experiments/mae.py runs on Fashion-MNIST, not installed here")
+    from experiments import mae as experiment
+
+    experiment.main(["--pretrain-steps", "2", "--steps", "2", "2", "--seeds", "2", "--n-test", "40",
+                     "--out", str(tmp_path)])
+    table = (tmp_path / "mae.md").read_text()
+    assert "python -m experiments.mae --pretrain-steps 2" in table
+    assert "| 1% (600) |" in table and "| 10% (6,000) |" in table and "+-" in table
+    runs = json.loads((tmp_path / "mae.json").read_text())["runs"]
+    assert len(runs) == 2 * 2 * 2 and {r["init"] for r in runs} == {"mae", "scratch"}
