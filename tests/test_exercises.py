@@ -153,6 +153,21 @@ def l2_normalize_backward(dout, cache):
     return dout / norm
 """, "part along y"),
     ],
+    "19_random_masking.ipynb": [
+        ("random_masking_backward", "scattered with ids_restore", """
+def random_masking_backward(dx_masked, cache):
+    ids_keep, N = cache
+    B, L, D = dx_masked.shape
+    dx = np.zeros((B, N, D))
+    dx[np.arange(B)[:, None], np.argsort(np.argsort(ids_keep, axis=1), axis=1)] = dx_masked
+    return dx
+""", "not zero on removed patches"),
+        ("masked_mse_backward", "the mean over every patch", """
+def masked_mse_backward(cache):
+    diff, mask = cache
+    return 2 * diff / diff.shape[-1] * (mask / mask.size)[..., None]
+""", "x0.75"),
+    ],
     "14_ring_allreduce.ipynb": [
         ("reduce_scatter", "sends to the left", """
 def reduce_scatter(chunks, send):

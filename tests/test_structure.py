@@ -37,22 +37,24 @@ LEVELS = [
     ("fast",),                      # minivit/fast/__init__.py: the subpackage's map, imports nothing
     ("layers", "fast.amp"),         # the building blocks over the pairs; mixed precision's loss scaler
     ("conv", "embeddings", "layer_examples",  # convolution pairs and layers...; how an image becomes tokens
-     "clip.loss"),                  # (PatchEmbed, PosEmbed, GridPosEmbed, Embedding); layers a student might write;
-                                    # CLIP's joint space and contrastive loss (on one rank of R too)
+     "clip.loss", "mae.masking",    # (PatchEmbed, PosEmbed, GridPosEmbed, Embedding); layers a student might write;
+     "mae.loss"),                   # CLIP's joint space and contrastive loss (on one rank of R too); MAE's
+                                    # masking (gather / scatter, unshuffle) and its loss on the removed patches
     ("gradcheck",),                 # checks any layer's backward against central differences
     ("model",),                     # ViTConfig, param_shapes, flops, Classifier, ViT, trace, presets
     ("weights.hf",),                # Hugging Face transformers folders (ViT, CLIP): below convert and clip,
                                     # which call it
     ("resnet", "clip.model",        # models built on the ViT's parts: the CNN baseline, CLIP's towers and config;
-     "clip.zero_shot"),             # a trained CLIP used: features, zero-shot classification, retrieval
-    ("clip",),                      # CLIP's every public name (loss, model, zero_shot)
+     "clip.zero_shot", "mae.model"),  # a trained CLIP used: features, zero-shot classification, retrieval; MAE
+    ("clip", "mae"),                # CLIP's every public name (loss, model, zero_shot); MAE's (masking, loss, model)
     ("optim", "train.stats",        # what training uses beside the model; the data sets' parts below data:
      "data.augment", "data.download", "data.dataset"),  # batch augmentation, the network, the Dataset record
     ("data.cifar", "data.fashion_mnist", "data.folders", "data.synthetic"),  # the readers, and sets drawn
     ("data",),                      # load_dataset, and every reader's public name
     ("clip.captions",),             # CLIP's tokenizers and captioned images, built on data
     ("weights.checkpoint", "distributed"),  # the trainer's .npz files; data parallelism over MPI and NCCL
-    ("clip.task",),                 # CLIP's task for the trainer: its data, batches, step (on R ranks too), evaluation
+    ("clip.task", "mae.task"),      # CLIP's task for the trainer: its data, batches, step (on R ranks too), evaluation;
+                                    # MAE's (pre-training, a k-NN probe) and the fine-tuning from its checkpoint
     ("weights.convert",),           # published checkpoints (timm, JAX) and from_pretrained: above the model
     ("weights",),                   # weights/__init__.py: checkpoint, convert and hf's most used names
     ("viz", "train.plot"),          # pictures: attention maps and patches, training curves

@@ -257,7 +257,8 @@ def _default_model(clip=False, seed=0):
 
 def default_input(model, batch=3, seed=0):
     """A small random batch of the model's input: images (B, H, W, C) from its config's img_size and
-    in_chans; for a CLIP, (images, tokens) with <end> the highest id."""
+    in_chans; for a CLIP, (images, tokens) with <end> the highest id; for an MAE (minivit.mae), (images,
+    noise), the noise fixing which patches are removed."""
     rng = host_rng(seed)
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "img_size") or not hasattr(config, "in_chans"):
@@ -270,6 +271,8 @@ def default_input(model, batch=3, seed=0):
         tokens = rng.integers(4, V - 1, size=(batch, Lc))
         tokens[:, -1] = V - 1                                       # <end>: the highest id, read by the text tower
         return images, asarray(tokens)
+    if hasattr(config, "mask_ratio"):                               # an MAE: (images, noise), the noise (B, N)
+        return images, asarray(rng.random((batch, config.num_patches)))   # held fixed, so the mask is too
     return images
 
 

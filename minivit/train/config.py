@@ -49,6 +49,11 @@ RECIPES = {
     # CLIP on Fashion-MNIST captioned from its class names and each image's shade
     "clip-fashion": dict(task="clip", model="clip_shapes_tiny", epochs=3, batch_size=64, lr=2e-3, weight_decay=0.1,
                          warmup_epochs=0.3, label_smoothing=0.0, optimizer="adamw", augment="none"),
+    # MAE pre-training (--task mae, minivit/mae/task.py): the encoder the shape of fashion-cpu's / demo's ViT
+    "mae-fashion": dict(task="mae", model="mae_tiny", epochs=3, batch_size=128, lr=2e-3, weight_decay=0.05,
+                        warmup_epochs=0.3, label_smoothing=0.0, optimizer="adamw", augment="none"),
+    "mae-shapes": dict(task="mae", model="mae_tiny", epochs=8, batch_size=128, lr=2e-3, weight_decay=0.05,
+                       warmup_epochs=1, label_smoothing=0.0, optimizer="adamw", augment="none"),
 }
 
 # What a field takes when neither the command line nor the recipe gives it. In TrainConfig these fields
@@ -59,7 +64,8 @@ BASE = dict(grad_accum=1, min_lr=0.0, momentum=0.9, mixup=0.0, cutmix=0.0, rando
 
 DEFAULT_RECIPE = {"cifar10": "fast", "fashion-mnist": "fashion-cpu", "shapes": "demo", "folder": "demo"}
 CLIP_RECIPE = {"shapes": "clip-shapes", "fashion-mnist": "clip-fashion"}   # --task clip's defaults
-TASKS = ("classify", "clip")            # clip: minivit/clip/task.py's batches, step and evaluation
+MAE_RECIPE = {"shapes": "mae-shapes", "fashion-mnist": "mae-fashion"}      # --task mae's defaults
+TASKS = ("classify", "clip", "mae")     # clip: minivit/clip/task.py's batches, step and evaluation; mae: mae/task.py
 OPTIMIZERS = ("adamw", "sgd")
 PRECISIONS = ("float32", "float16")     # float16: mixed precision (minivit/fast/amp.py)
 
@@ -86,7 +92,8 @@ class TrainConfig:
 
     # the data and the recipe
     dataset: str = option("cifar10", "the data set", DATASETS)
-    task: str = option(None, "classify: a ViT on labels; clip: CLIP on captions (minivit/clip/task.py; default: "
+    task: str = option(None, "classify: a ViT on labels; clip: CLIP on captions (minivit/clip/task.py); mae: "
+                             "masked-autoencoder pre-training, labels unused (minivit/mae/task.py; default: "
                              "the recipe's, else classify)", TASKS)
     data_dir: str = option(None, "where the data set lives (cifar10: data/; folder: required)")
     recipe: str = option(None, "named defaults (see README; default: fast for cifar10, fashion-cpu for "
@@ -148,7 +155,7 @@ class TrainConfig:
     eval_batch_size: int = option(500, "images per forward pass of an evaluation")
     train_subset: int = option(None, "train on the first N training images only (quick runs, data-size studies)")
     log_stats: int = option(None, "every K steps, per-layer activation mean/std, gradient norm and update-to-"
-                                  "parameter ratio into metrics.jsonl (records of kind 'stats': minivit.stats)")
+                                  "parameter ratio into metrics.jsonl (records of kind 'stats': minivit.train.stats)")
     # fine-tuning
     init: str = option(None, "start from pretrained weights (.npz, .safetensors or a Hugging Face folder: "
                                    "minivit.from_pretrained)")
@@ -197,9 +204,10 @@ def resolve(cfg):
     if cfg.dataset not in DATASETS:
         raise ValueError(f"unknown dataset {cfg.dataset!r}; choose one of {DATASETS}")
     if cfg.recipe is None:
-        default = CLIP_RECIPE if cfg.task == "clip" else DEFAULT_RECIPE
+        default = {"clip": CLIP_RECIPE, "mae": MAE_RECIPE}.get(cfg.task, DEFAULT_RECIPE)
         if cfg.dataset not in default:
-            raise ValueError(f"--task clip trains on a captioned data set: {tuple(default)}, got {cfg.dataset!r}")
+            what = "trains on a captioned data set:" if cfg.task == "clip" else "has a default recipe for"
+            raise ValueError(f"--task {cfg.task} {what} {tuple(default)}, got {cfg.dataset!r}")
         cfg = dataclasses.replace(cfg, recipe=default[cfg.dataset])
     if cfg.recipe not in RECIPES:
         raise ValueError(f"unknown recipe {cfg.recipe!r}; choose one of {sorted(RECIPES)}")
@@ -220,6 +228,10 @@ def resolve(cfg):
         from ..clip.task import check_config
 
         check_config(r)                            # the classifier's options refused by name, the CLIP preset
+    elif r.task == "mae":
+        from ..mae.task import check_config
+
+        check_config(r)                            # the classifier's options refused by name, the MAE preset
     elif r.model not in presets:
         raise ValueError(f"unknown model preset {r.model!r}; choose one of {sorted(presets)}")
     _check_types_and_choices(r)

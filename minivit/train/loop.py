@@ -362,7 +362,7 @@ def run_loop(run, callback=None):
                 if run.world is not None:   # dropout and drop-path draw from a stream of (seed, step, rank)
                     distributed.seed_dropout(model, cfg.seed, run.step, run.world.rank)
                 logged = cfg.log_stats and (run.step + 1) % cfg.log_stats == 0
-                if logged:                                    # --log-stats: minivit.stats, before and after the step
+                if logged:                                    # --log-stats: train/stats.py, before and after the step
                     before, acts = stats.snapshot(model), stats.activation_stats(model, x)
                 try:
                     loss, correct, _ = run.task.train_step(x, y)

@@ -12,7 +12,7 @@ import sys
 
 def read_metrics(out_dir, kind="eval"):
     """The records in OUT/metrics.jsonl (one JSON object per line) of this kind: "eval" (one per evaluation:
-    those without a "kind" field), "stats" (--log-stats: minivit.stats), None: all, in file order. A torn
+    those without a "kind" field), "stats" (--log-stats: minivit.train.stats), None: all, in file order. A torn
     last line (a run killed while appending it) is dropped with a warning naming the file; a bad line
     elsewhere is a ValueError naming the file and the line."""
     if kind not in ("eval", "stats", None):

@@ -136,9 +136,13 @@ def build_model(cfg, data, resumed=None):
     overrides.update(in_chans=C, num_classes=data.num_classes)
     if cfg.init:
         from ..weights.convert import from_pretrained
+        from ..mae.task import finetune_from_checkpoint
 
-        model = from_pretrained(cfg.init, num_classes=data.num_classes, img_size=overrides["img_size"],
-                                gelu=cfg.init_gelu, seed=cfg.seed, dtype=cfg.dtype, new_head=cfg.new_head)
+        # an MAE run's checkpoint: its encoder, a new zero head; None for any other, read by from_pretrained
+        model = finetune_from_checkpoint(cfg.init, data.num_classes, overrides["img_size"], cfg.seed, cfg.dtype)
+        if model is None:
+            model = from_pretrained(cfg.init, num_classes=data.num_classes, img_size=overrides["img_size"],
+                                    gelu=cfg.init_gelu, seed=cfg.seed, dtype=cfg.dtype, new_head=cfg.new_head)
         differ = [f"{_flag(k)} {getattr(cfg, k)!r} (the checkpoint's: {getattr(model.config, k)!r})"
                   for k in MODEL_FIELDS if k != "img_size" and getattr(cfg, k) is not None
                   and getattr(cfg, k) != getattr(model.config, k)]
@@ -345,9 +349,14 @@ class ClassificationTask:
 
 
 def task_type(name):
-    """The task type of cfg.task: ClassificationTask for "classify", clip.task.CLIPTask for "clip"."""
+    """The task type of cfg.task: ClassificationTask for "classify", clip.task.CLIPTask for "clip",
+    mae.task.MAETask for "mae"."""
     if name == "clip":
         from ..clip.task import CLIPTask      # imported when asked for: CLIP's modules stay unloaded otherwise
 
         return CLIPTask
+    if name == "mae":
+        from ..mae.task import MAETask
+
+        return MAETask
     return ClassificationTask
