@@ -8,7 +8,7 @@ import os
 import numpy as np
 import pytest
 
-from minivit import checkpoint as ckpt
+from minivit.weights import checkpoint as ckpt
 from minivit import train as T
 from minivit.data.dataset import Dataset, channel_mean_std
 from minivit.data.synthetic import make_shapes
@@ -48,6 +48,21 @@ def test_a_tiny_pretraining_writes_a_checkpoint_and_the_reconstruction_loss(pret
         np.testing.assert_array_equal(saved["params"][k], v)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "val_loss" in r] == [3, 6]
+
+
+def test_a_pretraining_shows_no_training_accuracy(tmp_path, data, capsys):
+    """MAE has no labels in its steps: its records hold train_acc None (not a 0% that reads as a failure), the
+    log line and the bar leave it out, and the curves draw the k-NN accuracy alone."""
+    from minivit.train.plot import plot_curves
+    pretrain(tmp_path / "run", data, verbose=True, progress=True)
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["train_acc"] for r in records] == [None, None]
+    shown = capsys.readouterr()
+    lines = [line for line in (shown.out + shown.err).replace("\r", "\n").splitlines() if "train loss" in line]
+    assert len(lines) == 2 and all("| val loss" in line and "acc 0.00%" not in line for line in lines), lines
+    assert "acc=" not in shown.err, shown.err[-300:]
+    figure = plot_curves(str(tmp_path / "run"))
+    assert [line.get_label() for line in figure.axes[1].lines] == ["validation"]
 
 
 def test_the_reconstruction_loss_falls(tmp_path, data):

@@ -148,9 +148,9 @@ class MAETask:
         loss = float(loss)
         grad_norm = float(clip_grad_norm(model, run.cfg.clip_grad)) if run.cfg.clip_grad else None
         if not math.isfinite(loss):
-            return loss, 0, float("nan")
+            return loss, None, float("nan")
         run.optimizer.step()
-        return loss, 0, grad_norm
+        return loss, None, grad_norm                                # None: no training accuracy to show
 
     def evaluate(self):
         run, model, data = self.run, self.run.model, self.run.data

@@ -162,7 +162,7 @@ class Run:
     start_time: float = 0.0
     eval_seconds: float = 0.0
     seen_loss: float = 0.0      # the training loss, summed over the images seen since the last evaluation
-    seen_correct: int = 0
+    seen_correct: int | None = 0   # None for a task without a training accuracy (MAE)
     seen_images: int = 0
     lock: int = None            # the file descriptor of OUT/.lock while this run holds it (lock_out)
     made_out: bool = False      # OUT did not exist before this run: removed again if the run fails in set_up
@@ -375,18 +375,21 @@ def run_loop(run, callback=None):
                 if logged and run.writes:
                     record = stats.step_record(run.step, model, before, *acts)
                     _append_jsonl(os.path.join(cfg.out, "metrics.jsonl"), record)
-                run.seen_correct += correct
+                run.seen_correct = None if correct is None else run.seen_correct + correct   # None: no accuracy
                 run.seen_images += cfg.batch_size
                 bar.update(1)
-                bar.set_postfix(loss=f"{loss:.3f}", acc=f"{correct / cfg.batch_size:.2f}",
-                                img_s=f"{run.images_per_second():.0f}")
+                shown = {"loss": f"{loss:.3f}", "img_s": f"{run.images_per_second():.0f}"}
+                if correct is not None:
+                    shown["acc"] = f"{correct / cfg.batch_size:.2f}"
+                bar.set_postfix(shown)
                 if run.world is not None:   # a signal to any rank stops every rank, after this same step
                     flag.agree(run.world)
                 if run.step in run.eval_steps or flag.stop:
                     record = evaluate_and_save(run)
                     if cfg.verbose:
-                        bar.write(f"epoch {record['epoch']:.2f} step {run.step}: train loss {record['train_loss']:.4f} "
-                                  f"acc {record['train_acc']:.2%} | val loss {record['val_loss']:.4f} acc "
+                        train_acc = "" if record["train_acc"] is None else f" acc {record['train_acc']:.2%}"
+                        bar.write(f"epoch {record['epoch']:.2f} step {run.step}: train loss {record['train_loss']:.4f}"
+                                  f"{train_acc} | val loss {record['val_loss']:.4f} acc "
                                   f"{record['val_acc']:.2%} | {record['images_per_second']:.0f} img/s")
                     if callback is not None:
                         callback(record)
@@ -415,7 +418,8 @@ def evaluate_and_save(run):
     run.best = max(run.best, val_acc)
     seen = max(run.seen_images, 1)
     record = {"step": run.step, "epoch": round(run.step / run.steps_per_epoch, 4), "train_loss": run.seen_loss / seen,
-              "train_acc": run.seen_correct / seen, "val_loss": val_loss, "val_acc": val_acc, "lr": run.optimizer.lr,
+              "train_acc": None if run.seen_correct is None else run.seen_correct / seen,   # None: MAE has none
+              "val_loss": val_loss, "val_acc": val_acc, "lr": run.optimizer.lr,
               "images_per_second": images_per_second, "wall_seconds": wall_seconds, **more}
     if run.scaler is not None:
         record.update(loss_scale=run.scaler.scale_value, skipped_steps=run.scaler.skipped_steps)

@@ -57,7 +57,8 @@ def plot_curves(history, path=None, title=None):
     ax_loss.plot(epochs, [r["train_loss"] for r in history], "o-", label="train")
     ax_loss.plot(epochs, [r["val_loss"] for r in history], "s-", label="validation")
     ax_loss.set(xlabel="epoch", ylabel="cross-entropy", title="loss")
-    ax_acc.plot(epochs, [100 * r["train_acc"] for r in history], "o-", label="train")
+    if all(r.get("train_acc") is not None for r in history):       # MAE has no training accuracy
+        ax_acc.plot(epochs, [100 * r["train_acc"] for r in history], "o-", label="train")
     ax_acc.plot(epochs, [100 * r["val_acc"] for r in history], "s-", label="validation")
     ax_acc.set(xlabel="epoch", ylabel="accuracy (%)", title="accuracy")
     for ax in (ax_loss, ax_acc):

@@ -10,7 +10,8 @@ A task type (task_type(cfg.task)) gives, before the run exists:
 and, made with task(run, resumed) once the data are on the backend:
     announce_ops() -> lines                which ops run from kernels.py (one probing forward, run unchanged)
     batch(step) -> (x, y)                  the inputs of optimizer step `step`: a function of (seed, step)
-    train_step(x, y) -> (loss, correct, grad_norm)   one optimizer step
+    train_step(x, y) -> (loss, correct, grad_norm)   one optimizer step; correct is None for a task without a
+                                           training accuracy (MAE): the bar, the log line and the curves leave it out
     evaluate() -> (val_loss, val_acc, more)          more: extra figures for the record
     checkpoint_extra() -> dict             what else the checkpoint must hold to resume
 
