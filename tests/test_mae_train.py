@@ -113,3 +113,13 @@ def test_the_experiment_writes_its_table_with_the_command(tmp_path):
     assert "| 1% (600) |" in table and "| 10% (6,000) |" in table and "+-" in table
     runs = json.loads((tmp_path / "mae.json").read_text())["runs"]
     assert len(runs) == 2 * 2 * 2 and {r["init"] for r in runs} == {"mae", "scratch"}
+
+
+def test_an_mae_checkpoint_where_a_classifier_is_needed_is_refused_by_what_it_is(pretrained):
+    """predict, load_model and from_pretrained need a ViT classifier: an MAE run's checkpoint is named as one,
+    with the way to make a classifier of it (--init), not called an invalid ViTConfig."""
+    import minivit
+    out, _ = pretrained
+    for load in (ckpt.load_model, minivit.from_pretrained):
+        with pytest.raises(ValueError, match=r"is an MAE checkpoint .* --init"):
+            load(str(out / "checkpoint.npz"))

@@ -287,13 +287,18 @@ def restore_dropout_rngs(model, states):
 
 
 def check_is_vit(path, meta):
-    """Refuse, by what it is, a checkpoint of another model than a ViT classifier (a CLIP run's, --task clip),
+    """Refuse, by what it is, a checkpoint of another model than a ViT classifier (--task clip's, --task mae's),
     where a ViT is needed (predict, load_model, --init): its config would otherwise be called invalid."""
     config = meta.get("config")
     if isinstance(config, dict) and "vision_width" in config:
         raise ValueError(f"{os.fspath(path)!r} is a CLIP checkpoint (an image and a text encoder, written by "
                          f"--task clip), not a ViT classifier: continue it with `python -m minivit.train --resume "
                          f"--out <its run folder>`, or load it with minivit.clip.task's build_model")
+    if isinstance(config, dict) and "mask_ratio" in config:
+        raise ValueError(f"{os.fspath(path)!r} is an MAE checkpoint (an encoder and a pixel decoder, written by "
+                         f"--task mae), not a ViT classifier: fine-tune its encoder as one with `python -m "
+                         f"minivit.train --init {os.fspath(path)}` (lesson 19), or continue its pre-training with "
+                         f"`--resume`")
 
 
 def load_model(path, backend=None):
