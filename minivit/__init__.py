@@ -32,9 +32,10 @@ __all__ = ["asarray", "backend_module", "get_array_module", "get_backend", "gpu_
            "flops", "param_shapes", "presets", "trace", "load_model", "from_pretrained"]
 
 # Imported on first use: minivit.train (tqdm), .data (.data.download: tqdm), .viz and .plot (matplotlib inside),
-# .predict (Pillow inside), .resnet, .stats, .clip (CLIP). The old names of moved modules (.augment, .download,
-# .captions: _moved.MOVED) likewise.
-_LAZY = ("check", "clip", "clip_train", "data", "distributed", "plot", "predict", "resnet", "stats", "train", "viz")
+# .predict (Pillow inside), .resnet, .stats, .clip (CLIP), .deit (DeiT). The old names of moved modules
+# (.augment, .download, .captions: _moved.MOVED) likewise.
+_LAZY = ("check", "clip", "clip_train", "data", "deit", "distributed", "plot", "predict", "resnet", "stats", "train",
+         "viz")
 
 
 def __getattr__(name):

@@ -37,14 +37,16 @@ LEVELS = [
     ("fast",),                      # minivit/fast/__init__.py: the subpackage's map, imports nothing
     ("layers", "fast.amp"),         # the building blocks over the pairs; mixed precision's loss scaler
     ("conv", "embeddings", "layer_examples",  # convolution pairs and layers...; how an image becomes tokens
-     "clip.loss"),                  # (PatchEmbed, PosEmbed, GridPosEmbed, Embedding); layers a student might write;
-                                    # CLIP's joint space and contrastive loss (on one rank of R too)
+     "clip.loss", "deit.loss"),     # (PatchEmbed, PosEmbed, GridPosEmbed, Embedding); layers a student might write;
+                                    # CLIP's joint space and contrastive loss (on one rank of R too); DeiT's
+                                    # hard and soft distillation losses
     ("gradcheck",),                 # checks any layer's backward against central differences
     ("model",),                     # ViTConfig, param_shapes, flops, Classifier, ViT, trace, presets
     ("hf",),                        # Hugging Face transformers folders (ViT, CLIP): below convert and clip,
                                     # which call it
     ("resnet", "clip.model",        # models built on the ViT's parts: the CNN baseline, CLIP's towers and config;
-     "clip.zero_shot"),             # a trained CLIP used: features, zero-shot classification, retrieval
+     "clip.zero_shot", "deit.model"),  # a trained CLIP used: features, zero-shot classification, retrieval;
+                                    # DeiT's distilled ViT (the distillation token, head_dist)
     ("clip",),                      # CLIP's every public name (loss, model, zero_shot)
     ("optim", "stats",              # what training uses beside the model; the data sets' parts below data:
      "data.augment", "data.download", "data.dataset"),  # batch augmentation, the network, the Dataset record
@@ -54,10 +56,13 @@ LEVELS = [
     ("checkpoint", "distributed"),  # the trainer's .npz files; data parallelism over MPI and NCCL
     ("clip_train",),                # CLIP's task for the trainer: its data, batches, step (on R ranks too), evaluation
     ("convert",),                   # published checkpoints (timm, JAX) and from_pretrained: above the model
-    ("viz", "plot"),                # pictures: attention maps and patches, training curves
+    ("viz", "plot",                 # pictures: attention maps and patches, training curves;
+     "deit.weights"),               # timm's DeiT distilled checkpoints, --distill's checkpoints (built on convert)
+    ("deit",),                      # DeiT's every public name (loss, model, weights)
     ("train.config",),              # the trainer's settings: TrainConfig, the recipes, resolve, the flags' parser
     ("train.run_folder",),          # the run folder: its lock, metrics, summary, atomic writes, resume's checks
     ("train.tasks",),               # what a run trains, one interface: the classifier here, CLIP in clip_train
+    ("deit.task",),                 # --distill: the classifier's task with a teacher and the distillation loss
     ("train.loop",),                # train(): set_up, run_loop, evaluate_and_save, finish; signals; main
     ("train", "predict"),           # what a person runs: the trainer (train/__init__.py) and the prediction command
     ("check.report",),              # minivit.check's rows, table and diagnoses; replaced()
@@ -133,6 +138,8 @@ def test_every_module_has_a_level():
 # loads, so no circle), each named here with the reason. Nothing else of the rule bends.
 CALL_TIME_UP = {
     ("model", "convert"): "ViT.from_pretrained, transformers' spelling, hands over to convert.from_pretrained",
+    ("deit.model", "deit.weights"): "DistilledViT.from_pretrained hands over to deit.weights.from_pretrained",
+    ("train.tasks", "deit.task"): "task_type hands --distill to DistillTask, which builds on ClassificationTask",
 }
 
 
