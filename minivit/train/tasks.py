@@ -342,9 +342,14 @@ class ClassificationTask:
 
 
 def task_type(name):
-    """The task type of cfg.task: ClassificationTask for "classify", clip_train.CLIPTask for "clip"."""
+    """The task type of cfg.task: ClassificationTask for "classify", clip_train.CLIPTask for "clip",
+    deit.task.DistillTask for "distill" (--distill TEACHER)."""
     if name == "clip":
         from ..clip_train import CLIPTask      # imported when asked for: CLIP's modules stay unloaded otherwise
 
         return CLIPTask
+    if name == "distill":
+        from ..deit.task import DistillTask    # at call time: it builds on ClassificationTask, above this module
+
+        return DistillTask
     return ClassificationTask
