@@ -113,3 +113,15 @@ def test_distill_flags_are_checked():
 def test_what_a_distilled_run_cannot_do_is_refused(tmp_path, teacher):
     with pytest.raises(ValueError, match="--distill does not support --grad-accum 2"):
         train(TrainConfig(**{**TINY, "distill": str(teacher), "grad_accum": 2, "out": None}))
+
+
+def test_the_experiment_writes_its_table(tmp_path):
+    """experiments/distill.py --quick: a teacher per size, the ViT alone and distilled per seed, the table."""
+    from experiments import distill
+
+    results = distill.main(["--quick", "--out", str(tmp_path), "--sizes", "128", "--seeds", "1"])
+    assert [(r["model"], r["n_train"]) for r in results["runs"]] == [("vit", 128), ("distilled", 128)]
+    assert results["teachers"][0]["arch"] == "resnet"
+    text = (tmp_path / "distill_quick.md").read_text()
+    assert "| 128 |" in text and "`python -m experiments.distill --quick --out" in text
+    assert (tmp_path / "distill_quick.json").exists()
