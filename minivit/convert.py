@@ -189,6 +189,9 @@ def from_timm_checkpoint(state_dict, num_heads=None, img_size=None, gelu=None, n
     if PATCH_KEY not in sd:
         raise ValueError(f"{what} has no {PATCH_KEY!r}, so it is not a timm ViT; its keys start with "
                          f"{sorted(sd)[:5]}")
+    if "dist_token" in sd:           # DeiT's VisionTransformerDistilled: a second token and head (minivit/deit)
+        raise ValueError(f"{what} is a DeiT distilled model (dist_token, head_dist): load it with "
+                         f"minivit.deit.from_pretrained, which builds a DistilledViT")
     if "fc_norm.weight" in sd:
         raise ValueError(f"{what} has fc_norm (a LayerNorm after average pooling, timm's default with "
                          f"global_pool='avg'); minivit follows the paper (final LayerNorm, then the mean)")

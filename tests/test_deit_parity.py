@@ -117,6 +117,8 @@ def test_a_timm_deit_distilled_file_loads_through_from_pretrained(tmp_path, suff
     expected = ref(torch.from_numpy(x).permute(0, 3, 1, 2)).detach().numpy()
     assert rel(model.eval().forward(x), expected) < 1e-5
     np.testing.assert_array_equal(same.eval().forward(x), model.forward(x))
+    with pytest.raises(ValueError, match="a DeiT distilled model .* minivit.deit.from_pretrained"):
+        minivit.from_pretrained(path, verbose=False)                     # the plain ViT's loader points here
     fresh = from_pretrained(path, num_classes=4, verbose=False)          # fine-tuning: two new zero heads
     assert fresh.config.num_classes == 4 and not fresh.params["head_dist.weight"].any()
     config, state = from_timm_distilled(sd, verbose=False)
