@@ -134,18 +134,19 @@ def describe(model):
 
 
 def fit(model, data, steps, batch_size, lr, weight_decay=0.05, warmup=0.1, augment="none", seed=0,
-        num_evals=4, clip=1.0, label_smoothing=0.0):
+        num_evals=4, clip=1.0, label_smoothing=0.0, distill=None):
     """Train model on data.x_train with minivit.train: `steps` AdamW steps of batch_size images (warm-up for
     the first `warmup` fraction, then cosine to 0, gradients clipped to norm `clip`), evaluating on
     data.x_test num_evals times, evenly spaced; no files written. Returns a dict for the results file:
     final and best test accuracy, the training loss since the previous evaluation, time and images seen.
-    A run whose loss becomes NaN comes back with diverged=True and final_test_acc None."""
+    A run whose loss becomes NaN comes back with diverged=True and final_test_acc None. distill: a teacher's
+    checkpoint, for a minivit.deit.DistilledViT model (the run is --distill's, hard distillation)."""
     n = len(data.y_train)
     batch_size = min(batch_size, n)               # a tiny subset: one batch is the whole set
     cfg = TrainConfig(dataset=data.name, max_steps=steps, batch_size=batch_size, lr=lr, weight_decay=weight_decay,
                       warmup_steps=round(warmup * steps), optimizer="adamw", clip_grad=clip or None,
                       augment=augment, label_smoothing=label_smoothing, seed=seed, dtype=model.dtype,
-                      num_evals=num_evals, out=None, progress=False, verbose=False)
+                      num_evals=num_evals, out=None, progress=False, verbose=False, distill=distill)
     history = []                                  # train's records, kept even if the run diverges
     start = time.perf_counter()
     try:

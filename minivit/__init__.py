@@ -33,9 +33,9 @@ __all__ = ["asarray", "backend_module", "get_array_module", "get_backend", "gpu_
            "flops", "param_shapes", "presets", "trace", "load_model", "from_pretrained"]
 
 # Imported on first use: minivit.train (tqdm), .data (.data.download: tqdm), .viz (matplotlib inside),
-# .predict (Pillow inside), .resnet, .clip (CLIP), .mae (MAE). The old names of moved modules (.augment, .download,
-# .captions, .clip_train, .plot, .stats: _moved.MOVED) likewise.
-_LAZY = ("check", "clip", "data", "distributed", "mae", "predict", "resnet", "train", "viz")
+# .predict (Pillow inside), .resnet, .clip (CLIP), .deit (DeiT), .mae (MAE). The old names of moved modules
+# (.augment, .download, .captions, .clip_train, .plot, .stats: _moved.MOVED) likewise.
+_LAZY = ("check", "clip", "data", "deit", "distributed", "mae", "predict", "resnet", "train", "viz")
 
 
 def __getattr__(name):

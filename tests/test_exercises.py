@@ -84,7 +84,8 @@ def test_there_are_exercises_for_every_backward_the_issue_asks_for():
     written = {fn for name in NOTEBOOKS for fn in _solutions(name)}
     assert {"patch2im", "linear_backward", "layernorm_backward", "gelu_backward", "softmax_backward",
             "attention_backward", "block_backward", "cross_entropy_backward", "adamw_update",
-            "contrastive_loss_backward", "l2_normalize_backward", "reduce_scatter", "all_gather"} <= written, written
+            "contrastive_loss_backward", "l2_normalize_backward", "reduce_scatter", "all_gather",
+            "hard_distillation_backward", "kl_distillation_backward"} <= written, written
 
 
 @pytest.mark.parametrize("name", NOTEBOOKS)
@@ -167,6 +168,30 @@ def masked_mse_backward(cache):
     diff, mask = cache
     return 2 * diff / diff.shape[-1] * (mask / mask.size)[..., None]
 """, "x0.75"),
+    ],
+    "18_distillation_loss.ipynb": [
+        ("hard_distillation_backward", "the dist head on the labels", """
+def hard_distillation_backward(logits, logits_dist, labels, teacher_logits):
+    B = logits.shape[0]
+
+    def ce_grad(z, y):
+        e = np.exp(z - z.max(1, keepdims=True))
+        p = e / e.sum(1, keepdims=True)
+        p[np.arange(B), y] -= 1.0
+        return p / B
+
+    return 0.5 * ce_grad(logits, labels), 0.5 * ce_grad(logits_dist, labels)
+""", "the distillation head learns the teacher's argmax"),
+        ("kl_distillation_backward", "the chain rule's 1/tau forgotten", """
+def kl_distillation_backward(logits_dist, teacher_logits, tau):
+    B = logits_dist.shape[0]
+
+    def softmax(z):
+        e = np.exp(z - z.max(1, keepdims=True))
+        return e / e.sum(1, keepdims=True)
+
+    return tau * tau * (softmax(logits_dist / tau) - softmax(teacher_logits / tau)) / B
+""", "tau"),
     ],
     "14_ring_allreduce.ipynb": [
         ("reduce_scatter", "sends to the left", """

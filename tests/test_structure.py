@@ -38,14 +38,16 @@ LEVELS = [
     ("layers", "fast.amp"),         # the building blocks over the pairs; mixed precision's loss scaler
     ("conv", "embeddings", "layer_examples",  # convolution pairs and layers...; how an image becomes tokens
      "clip.loss", "mae.masking",    # (PatchEmbed, PosEmbed, GridPosEmbed, Embedding); layers a student might write;
-     "mae.loss"),                   # CLIP's joint space and contrastive loss (on one rank of R too); MAE's
-                                    # masking (gather / scatter, unshuffle) and its loss on the removed patches
+     "mae.loss", "deit.loss"),      # CLIP's joint space and contrastive loss (on one rank of R too); MAE's
+                                    # masking (gather / scatter, unshuffle) and its loss on the removed patches;
+                                    # DeiT's hard and soft distillation losses
     ("gradcheck",),                 # checks any layer's backward against central differences
     ("model",),                     # ViTConfig, param_shapes, flops, Classifier, ViT, trace, presets
     ("weights.hf",),                # Hugging Face transformers folders (ViT, CLIP): below convert and clip,
                                     # which call it
     ("resnet", "clip.model",        # models built on the ViT's parts: the CNN baseline, CLIP's towers and config;
-     "clip.zero_shot", "mae.model"),  # a trained CLIP used: features, zero-shot classification, retrieval; MAE
+     "clip.zero_shot", "mae.model",  # a trained CLIP used: features, zero-shot classification, retrieval; MAE;
+     "deit.model"),                 # DeiT's distilled ViT (the distillation token, head_dist)
     ("clip", "mae"),                # CLIP's every public name (loss, model, zero_shot); MAE's (masking, loss, model)
     ("optim", "train.stats",        # what training uses beside the model; the data sets' parts below data:
      "data.augment", "data.download", "data.dataset"),  # batch augmentation, the network, the Dataset record
@@ -57,10 +59,13 @@ LEVELS = [
                                     # MAE's (pre-training, a k-NN probe) and the fine-tuning from its checkpoint
     ("weights.convert",),           # published checkpoints (timm, JAX) and from_pretrained: above the model
     ("weights",),                   # weights/__init__.py: checkpoint, convert and hf's most used names
-    ("viz", "train.plot"),          # pictures: attention maps and patches, training curves
+    ("viz", "train.plot",           # pictures: attention maps and patches, training curves;
+     "deit.weights"),               # timm's DeiT distilled checkpoints, --distill's checkpoints (built on convert)
+    ("deit",),                      # DeiT's every public name (loss, model, weights)
     ("train.config",),              # the trainer's settings: TrainConfig, the recipes, resolve, the flags' parser
     ("train.run_folder",),          # the run folder: its lock, metrics, summary, atomic writes, resume's checks
     ("train.tasks",),               # what a run trains, one interface: the classifier here, CLIP in clip.task
+    ("deit.task",),                 # --distill: the classifier's task with a teacher and the distillation loss
     ("train.loop",),                # train(): set_up, run_loop, evaluate_and_save, finish; signals; main
     ("train", "predict"),           # what a person runs: the trainer (train/__init__.py) and the prediction command
     ("check.report",),              # minivit.check's rows, table and diagnoses; replaced()
@@ -136,6 +141,10 @@ def test_every_module_has_a_level():
 # loads, so no circle), each named here with the reason. Nothing else of the rule bends.
 CALL_TIME_UP = {
     ("model", "weights.convert"): "ViT.from_pretrained, transformers' spelling, hands over to convert.from_pretrained",
+    ("deit.model", "deit.weights"): "DistilledViT.from_pretrained hands over to deit.weights.from_pretrained",
+    ("train.tasks", "deit.task"): "task_type hands --distill to DistillTask, which builds on ClassificationTask",
+    ("weights.convert", "deit.weights"): "from_pretrained hands a DeiT distilled checkpoint to deit's loader",
+    ("weights.checkpoint", "deit.weights"): "load_model hands a --distill run's checkpoint to deit's load_model",
 }
 
 

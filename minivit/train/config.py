@@ -60,12 +60,15 @@ RECIPES = {
 # are None ("not given"), like every other setting, so that a recipe can set them (the `long` recipe's
 # cutmix and random_erasing) and a resumed run can tell a flag given, even at this value, from one left out.
 BASE = dict(grad_accum=1, min_lr=0.0, momentum=0.9, mixup=0.0, cutmix=0.0, random_erasing=0.0, seed=0,
-            dtype="float32", precision="float32")
+            dtype="float32", precision="float32", distill_kind="hard", distill_tau=3.0, distill_alpha=0.1)
 
 DEFAULT_RECIPE = {"cifar10": "fast", "fashion-mnist": "fashion-cpu", "shapes": "demo", "folder": "demo"}
 CLIP_RECIPE = {"shapes": "clip-shapes", "fashion-mnist": "clip-fashion"}   # --task clip's defaults
 MAE_RECIPE = {"shapes": "mae-shapes", "fashion-mnist": "mae-fashion"}      # --task mae's defaults
-TASKS = ("classify", "clip", "mae")     # clip: minivit/clip/task.py's batches, step and evaluation; mae: mae/task.py
+TASKS = ("classify", "clip", "mae", "distill")  # clip: minivit/clip/task.py's batches, step and evaluation; mae:
+                                        # mae/task.py; distill: minivit/deit/task.py's (a DistilledViT and a
+                                        # teacher; --distill sets it)
+DISTILL_KINDS = ("hard", "soft")        # minivit/deit/loss.py
 OPTIMIZERS = ("adamw", "sgd")
 PRECISIONS = ("float32", "float16")     # float16: mixed precision (minivit/fast/amp.py)
 
@@ -133,6 +136,13 @@ class TrainConfig:
     optimizer: str = option(None, "the update rule" + FROM_RECIPE, OPTIMIZERS)
     momentum: float = option(None, "SGD only: the momentum")
     clip_grad: float = option(None, "clip the global gradient norm to this (default: no clipping)")
+    # DeiT's distillation (minivit/deit/task.py): a distilled ViT taught by a trained classifier
+    distill: str = option(None, "train a distilled ViT (DeiT) taught by this checkpoint, a trained classifier (the "
+                                "ResNet of minivit/resnet.py, or a ViT) of the same classes: --task distill")
+    distill_kind: str = option(None, "hard: 1/2 CE(labels) + 1/2 CE(the teacher's argmax); soft: (1 - alpha) CE + "
+                                     "alpha tau^2 KL (the paper's)", DISTILL_KINDS)
+    distill_tau: float = option(None, "soft distillation's temperature tau")
+    distill_alpha: float = option(None, "soft distillation's weight alpha of the teacher's term")
     # the data's augmentation
     augment: str = option(None, "none; standard: crop and flip; randaug: RandAugment" + FROM_RECIPE, A.POLICIES)
     mixup: float = option(None, "mixup alpha (0: off)")
@@ -212,7 +222,7 @@ def resolve(cfg):
     if cfg.recipe not in RECIPES:
         raise ValueError(f"unknown recipe {cfg.recipe!r}; choose one of {sorted(RECIPES)}")
     recipe_task = RECIPES[cfg.recipe].get("task", "classify")
-    if cfg.task not in (None, recipe_task):
+    if cfg.task not in (None, recipe_task) and not (cfg.task == "distill" and recipe_task == "classify"):
         raise ValueError(f"recipe {cfg.recipe!r} is one of --task {recipe_task}, not --task {cfg.task}")
     values = dataclasses.asdict(cfg)
     steps_only = cfg.max_steps is not None and cfg.epochs is None   # max_steps alone: exactly that many
@@ -222,8 +232,11 @@ def resolve(cfg):
     for key, value in BASE.items():                                # then what no recipe sets
         if values[key] is None:
             values[key] = value
-    values["task"] = values["task"] or "classify"
+    values["task"] = values["task"] or ("distill" if cfg.distill else "classify")
     r = TrainConfig(**values)
+    if (r.task == "distill") != (r.distill is not None):       # --distill TEACHER is the distillation task
+        raise ValueError("--task distill needs --distill TEACHER_CHECKPOINT" if r.distill is None else
+                         f"--distill {r.distill!r} trains a distilled ViT (--task distill), not --task {r.task}")
     if r.task == "clip":
         from ..clip.task import check_config
 
@@ -244,7 +257,7 @@ def resolve(cfg):
             raise ValueError(f"{name} must be a positive int, got {getattr(r, name)!r}")
     if r.grad_accum < 1 or r.batch_size % r.grad_accum:
         raise ValueError(f"grad_accum must be a positive int dividing batch_size={r.batch_size}, got {r.grad_accum!r}")
-    for name in ("epochs", "lr", "clip_grad"):                     # > 0 (where given)
+    for name in ("epochs", "lr", "clip_grad", "distill_tau"):      # > 0 (where given)
         if getattr(r, name) is not None and not 0 < getattr(r, name) < math.inf:
             raise ValueError(f"{name} must be > 0 and finite, got {getattr(r, name)!r}")
     for name in ("weight_decay", "warmup_epochs", "warmup_steps", "seed", "mixup", "cutmix"):   # >= 0
@@ -255,6 +268,8 @@ def resolve(cfg):
     for name in ("momentum", "label_smoothing"):
         if not 0 <= getattr(r, name) < 1:
             raise ValueError(f"{name} must be in [0, 1), got {getattr(r, name)!r}")
+    if not 0 <= r.distill_alpha <= 1:
+        raise ValueError(f"distill_alpha must be in [0, 1], got {r.distill_alpha!r}")
     if not 0 <= r.random_erasing <= 1:
         raise ValueError(f"random_erasing must be a probability in [0, 1], got {r.random_erasing!r}")
     if r.eval_every is not None and r.num_evals is not None:

@@ -351,7 +351,7 @@ class ClassificationTask:
 
 def task_type(name):
     """The task type of cfg.task: ClassificationTask for "classify", clip.task.CLIPTask for "clip",
-    mae.task.MAETask for "mae"."""
+    mae.task.MAETask for "mae", deit.task.DistillTask for "distill" (--distill TEACHER)."""
     if name == "clip":
         from ..clip.task import CLIPTask      # imported when asked for: CLIP's modules stay unloaded otherwise
 
@@ -360,4 +360,8 @@ def task_type(name):
         from ..mae.task import MAETask
 
         return MAETask
+    if name == "distill":
+        from ..deit.task import DistillTask    # at call time: it builds on ClassificationTask, above this module
+
+        return DistillTask
     return ClassificationTask

@@ -303,10 +303,14 @@ def check_is_vit(path, meta):
 
 def load_model(path, backend=None):
     """The ViT saved in a checkpoint (a file, or a run folder holding checkpoint.npz), with its weights, on
-    the current backend unless one is named. Non-finite weights (a diverged run) are refused by name."""
+    the current backend unless one is named. Non-finite weights (a diverged run) are refused by name. A
+    --distill run's checkpoint gives its DistilledViT (minivit/deit/weights.py), in eval mode."""
     ckpt = load_checkpoint(path)
     path, meta = ckpt["path"], ckpt["meta"]
     check_is_vit(path, meta)
+    if "dist_token" in ckpt["params"]:           # a --distill run's DistilledViT (DeiT): its own loader builds it
+        from ..deit.weights import load_model as load_distilled
+        return load_distilled(path, backend=backend)
     check_finite(ckpt["params"], repr(path))
     try:
         config = ViTConfig.from_dict(meta["config"])

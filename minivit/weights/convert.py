@@ -190,6 +190,9 @@ def from_timm_checkpoint(state_dict, num_heads=None, img_size=None, gelu=None, n
     if PATCH_KEY not in sd:
         raise ValueError(f"{what} has no {PATCH_KEY!r}, so it is not a timm ViT; its keys start with "
                          f"{sorted(sd)[:5]}")
+    if "dist_token" in sd:           # DeiT's VisionTransformerDistilled: a second token and head (minivit/deit)
+        raise ValueError(f"{what} is a DeiT distilled model (dist_token, head_dist), not a ViT: "
+                         f"minivit.from_pretrained(FILE) or minivit.deit.from_timm_distilled reads it")
     if "fc_norm.weight" in sd:
         raise ValueError(f"{what} has fc_norm (a LayerNorm after average pooling, timm's default with "
                          f"global_pool='avg'); minivit follows the paper (final LayerNorm, then the mean)")
@@ -666,6 +669,8 @@ def from_pretrained(path, num_classes=None, img_size=None, num_heads=None, gelu=
     checkpoint_img_size: the resolution the checkpoint was trained at, needed only for a
         non-square patch grid (a square one is read from the position embeddings' length).
     new_head: True zero-initialises the head even when num_classes is the checkpoint's own.
+    A DeiT distilled checkpoint (timm's VisionTransformerDistilled, or a --distill run's) gives a DistilledViT
+    (minivit/deit/weights.py builds it; the same arguments, but img_size must stay the checkpoint's).
     Example: minivit.from_pretrained("ViT-B_16.npz", num_classes=10, img_size=384) for CIFAR-10.
     """
     meta = None
@@ -678,6 +683,10 @@ def from_pretrained(path, num_classes=None, img_size=None, num_heads=None, gelu=
         if config.num_classes != K:
             meta.pop("classes", None)            # a new head: the folder's class names are not its classes
     else:
+        kind, arrays = read_checkpoint_file(path)
+        if "dist_token" in arrays:               # DeiT's distilled ViT (timm's, or a --distill run's)
+            return _distilled(path, num_classes, img_size, num_heads, gelu, seed, dtype, verbose, new_head,
+                              checkpoint_img_size)
         config, state = load_checkpoint_file(path, num_heads=num_heads, img_size=checkpoint_img_size,
                                              gelu=gelu, num_classes=num_classes, verbose=verbose)
     check_finite(state, repr(os.fspath(path)), advice="a damaged file, or one saved from a diverged run: use "
@@ -690,4 +699,22 @@ def from_pretrained(path, num_classes=None, img_size=None, num_heads=None, gelu=
     if new_head:
         for p in model.head.params.values():
             p[...] = 0                           # the paper's zero-initialised fine-tuning head
+    return model
+
+
+def _distilled(path, num_classes, img_size, num_heads, gelu, seed, dtype, verbose, new_head, checkpoint_img_size):
+    """from_pretrained of a DeiT distilled checkpoint: handed over to minivit.deit (which builds on this
+    module, so the import is made at call time)."""
+    if img_size is not None or checkpoint_img_size is not None:
+        raise ValueError(f"{os.fspath(path)!r} is a DeiT distilled model: loading it at another resolution "
+                         f"(img_size={img_size!r}, checkpoint_img_size={checkpoint_img_size!r}) is not supported; "
+                         f"leave both None")
+    from ..deit.weights import from_pretrained as distilled_from_pretrained
+
+    model = distilled_from_pretrained(path, num_classes=num_classes, num_heads=num_heads, gelu=gelu, seed=seed,
+                                      dtype=dtype, verbose=verbose)
+    if new_head:
+        for head in (model.head, model.head_dist):
+            for p in head.params.values():
+                p[...] = 0                       # the zero-initialised fine-tuning heads
     return model
