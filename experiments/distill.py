@@ -29,8 +29,8 @@ from minivit.train import TrainConfig, train
 NAME = "distill"
 VIT = dict(patch_size=4, embed_dim=64, depth=2, num_heads=4, mlp_ratio=2.0)
 QUICK = dict(dataset="shapes", data_dir=None, sizes=[128, 256], seeds=2, steps=6, batch_size=32, n_test=128,
-             lr=2e-3, teacher_steps=6, teacher_lr=2e-3, backend="numpy", vit=dict(VIT, embed_dim=16, depth=1, num_heads=2),
-             teacher=dict(widths=(8,), depths=(1,)), augment="none")
+             lr=2e-3, teacher_steps=6, teacher_lr=2e-3, backend="numpy",
+             vit=dict(VIT, embed_dim=16, depth=1, num_heads=2), teacher=dict(widths=(8,), depths=(1,)), augment="none")
 # the committed run: about 5 CPU-minutes (it took longer on two cores shared with other jobs)
 FULL = dict(dataset="fashion-mnist", data_dir=None, sizes=[1000, 10000], seeds=3, steps=150, batch_size=64,
             n_test=500, lr=2e-3, teacher_steps=300, teacher_lr=1e-2, backend="numpy", vit=VIT,
@@ -92,8 +92,8 @@ def table(results):
              f"Made by `{prov['command']}` on {prov['date']} ({prov['cpu_count']} CPU cores, {prov['backend']}; "
              f"{prov['wall_seconds'] / 60:.1f} min in all). Test accuracy on {s['n_test']} test images after "
              f"{s['steps']} AdamW steps of batch {s['batch_size']}, mean +- std over {s['seeds']} seeds; the "
-             f"teacher is one ResNet per size (seed 0, {s['teacher_steps']} steps, lr {s['teacher_lr']}), trained on the same "
-             f"images. Time: wall seconds per run, on a machine shared with other jobs.", "",
+             f"teacher is one ResNet per size (seed 0, {s['teacher_steps']} steps, lr {s['teacher_lr']}), "
+             f"trained on the same images. Time: wall seconds per run, on a machine shared with other jobs.", "",
              "| training images | teacher (ResNet) | ViT alone | ViT distilled (hard) | difference | "
              "s/run alone | s/run distilled |", "|---|---|---|---|---|---|---|"]
     for t in results["teachers"]:
