@@ -33,7 +33,7 @@ def test_the_default_set_passes_on_the_code_as_it_is_in_under_a_minute(clean_rep
     grads = {(r.op, r.what) for r in clean_report.rows if r.tensor is not None}
     for row in [("layernorm", "dx"), ("layernorm", "dweight"), ("attention", "dq"), ("attention", "dk"),
                 ("attention", "dv"), ("pos_embed", "dcls_token"), ("cross_entropy", "dlogits"),
-                ("model", "dblocks.1.mlp.fc2.weight"), ("model", "dx")]:
+                ("model", "dblocks.1.mlp.fc2.weight"), ("model", "dx"), ("dropout", "dx"), ("drop_path", "dx")]:
         assert row in grads, row
     table = str(clean_report)
     assert "WRONG" not in table and table.splitlines()[-1].startswith("all ")
@@ -100,6 +100,24 @@ def patch2im_wrong_transpose(patches, patch_size, img_size):
     return x.reshape(B, H, W, C)
 
 
+def drop_path_with_a_mask_per_value(self, x):
+    if not self.training or self.p == 0.0:
+        self.cache = None
+        return x
+    keep = self.rng.random(x.shape) >= self.p                                       # should be (B, 1, 1)
+    out, self.cache = F.dropout_forward(x, keep, self.p)
+    return out
+
+
+def dropout_keeping_with_probability_p(self, x):
+    if not self.training or self.p == 0.0:
+        self.cache = None
+        return x
+    shape = (x.shape[0],) + (1,) * (x.ndim - 1) if self.per_sample else x.shape
+    out, self.cache = F.dropout_forward(x, self.rng.random(shape) < self.p, self.p)  # keeps p, drops 1 - p
+    return out
+
+
 def adamw_without_bias_corrections(p, g, m, v, lr, beta1, beta2, eps, weight_decay, step):
     p *= 1 - lr * weight_decay
     m *= beta1
@@ -154,6 +172,15 @@ PLANTED = {
                               "nesterov, 3 steps: p vs the rule written out", "differs"),
     "AdamW.step forgetting no_decay": (optim.AdamW, "_decay", lambda f: lambda self, name: self.weight_decay, "adamw",
                                        "optim.AdamW.step, 3 steps: bias vs functional.adamw_update by hand", "differs"),
+    "drop-path with a mask per value": (L.Dropout, "forward", lambda f: drop_path_with_a_mask_per_value, "drop_path",
+                                        "forward: each sample is 0 or x / (1 - p)", "zeros inside a sample"),
+    "dropout keeping with probability p": (L.Dropout, "forward", lambda f: dropout_keeping_with_probability_p,
+                                           "dropout", "forward: the share of values dropped, of 2000 (p = 0.25)",
+                                           "kept with probability p instead of dropped"),
+    "drop-path backward without 1/(1-p)": (F, "dropout_backward", lambda f: lambda d, c: d * (c != 0), "drop_path",
+                                           "dx", "x0.75 (= 1 - p)"),
+    "dropout backward passing dout": (F, "dropout_backward", lambda f: lambda d, c: d, "dropout", "dx",
+                                      "dx = dout"),
     "patch2im undoes the wrong transpose": (F, "patch2im", lambda f: patch2im_wrong_transpose, "patch_embed", "dx",
                                             "the right values in the wrong places"),
 }

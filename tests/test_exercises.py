@@ -85,7 +85,9 @@ def test_there_are_exercises_for_every_backward_the_issue_asks_for():
     assert {"patch2im", "linear_backward", "layernorm_backward", "gelu_backward", "softmax_backward",
             "attention_backward", "block_backward", "cross_entropy_backward", "adamw_update",
             "contrastive_loss_backward", "l2_normalize_backward", "reduce_scatter", "all_gather",
-            "hard_distillation_backward", "kl_distillation_backward"} <= written, written
+            "attention_entropy", "update_ratio", "drop_path_forward", "drop_path_backward",
+            "hard_distillation_backward", "kl_distillation_backward", "random_masking_backward",
+            "masked_mse_backward"} <= written, written
 
 
 @pytest.mark.parametrize("name", NOTEBOOKS)
@@ -210,6 +212,33 @@ def all_gather(chunks, send):
             c = (r + 1 - s) % R
             chunks[(r + 1) % R][c] += send(r, (r + 1) % R, c)
 """, "not the sum over the ranks"),
+    ],
+    "15_training_statistics.ipynb": [
+        ("attention_entropy", "not divided by ln N", """
+def attention_entropy(a):
+    return float(-(a * np.log(np.maximum(a, 1e-30))).sum(-1).mean())
+""", "(= ln N)"),
+        ("update_ratio", "the difference of the norms", """
+def update_ratio(before, after):
+    size = np.linalg.norm(before)
+    return None if size == 0 else float(abs(np.linalg.norm(after) - size) / size)
+""", "the difference of the norms"),
+    ],
+    "16_drop_path.ipynb": [
+        ("drop_path_forward", "a mask per value", """
+def drop_path_forward(self, x):
+    if not self.training or self.p == 0.0:
+        self.cache = None
+        return x
+    self.cache = ((self.rng.random(x.shape) >= self.p) / (1.0 - self.p)).astype(x.dtype)
+    return x * self.cache
+""", "zeros inside a sample"),
+        ("drop_path_backward", "without 1/(1-p)", """
+def drop_path_backward(self, dout):
+    if self.p == 0.0 or not self.training:
+        return dout
+    return dout * (self.cache != 0)
+""", "x0.75 (= 1 - p)"),
     ],
 }
 

@@ -215,3 +215,17 @@ def test_rollout_map_with_registers_reads_the_output_s_row_not_a_register_s():
     r[0, nr:, nr + 5] = 1.0                                  # every patch row reads patch 5 = (1, 2)
     m = viz.rollout_map(r, (gh, gw), num_prefix_tokens=nr, class_token=False)
     assert m[0, 1, 2] == 1.0 and m[0, 0, 0] == 0.0
+
+
+def test_show_jpeg_shows_the_figure_as_a_jpeg_of_its_size_and_closes_it(capsys):
+    fig, ax = plt.subplots(figsize=(9, 2), dpi=80)
+    ax.plot(np.random.default_rng(0).random(50))
+    image = viz.show_jpeg(fig, quality=80)
+    assert image.format == "jpeg" and image.data[:2] == b"\xff\xd8"               # the JPEG start-of-image marker
+    from PIL import Image
+    import io
+    width, height = Image.open(io.BytesIO(image.data)).size
+    assert 600 <= width <= 720 and height < 200, (width, height)                  # 9 x 2 inches at 80 dpi, cropped
+    assert not plt.fignum_exists(fig.number)                                      # closed: not shown again as PNG
+    with pytest.raises(ValueError, match="quality"):
+        viz.show_jpeg(plt.figure(), quality=100)

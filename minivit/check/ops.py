@@ -280,6 +280,95 @@ def check_pool(rng, use_kernels):
     return rows
 
 
+class _FixedMask:
+    """A Dropout layer whose generator is reset before every forward, so that every forward draws the same
+    mask: deterministic, so central differences can check its backward. (Not a Layer: gradcheck refuses a
+    random layer inside a Layer, and this one is random no more.)"""
+
+    def __init__(self, layer, seed):
+        self.layer, self.seed = layer, seed
+        self.params, self.grads = layer.params, layer.grads
+
+    def forward(self, x):
+        self.layer.rng = host_rng(self.seed)
+        return self.layer.forward(x)
+
+    def backward(self, dout):
+        return self.layer.backward(dout)
+
+    def train(self, mode=True):
+        self.layer.train(mode)
+        return self
+
+
+def _check_dropout(per_sample, rng, use_kernels):
+    """layers.Dropout(p) in training mode, as it stands: out = x * keep / (1 - p), keep drawn from the layer's
+    generator, one number per value (dropout) or per sample (drop-path, keep (B, 1, 1)). The mask is random,
+    so the forward is checked by what any right mask gives (each unit 0 or x / (1 - p), a share p of them 0),
+    and the backward by central differences with the generator reset before each forward (the same mask)."""
+    op, unit = ("drop_path", "sample") if per_sample else ("dropout", "value")
+    p, seed = 0.25, 2                        # 1/(1-p) = 4/3, not 2; seed 2 keeps 5 of the 8 samples, drops 3
+    factors = {"1 - p": 1 - p}
+    layer = L.Dropout(p, per_sample=per_sample)
+    fixed = _FixedMask(layer, seed)
+    x = _random(rng, (8, N, 4))                                                  # (B, N, D), no zero in it
+    out, again = to_numpy(fixed.forward(x)), to_numpy(fixed.forward(x))         # (B, N, D) twice
+    same = _forward_row(op, "forward: the same generator state, the same mask", again, out)
+    if not same.ok:
+        same.note = ("two forwards from the same state of self.rng differ: draw the mask from self.rng (the "
+                     "layer's generator, which checkpoints save), not from np.random")
+    rows = [same]
+    xs = to_numpy(x) / (1 - p)                                                   # a kept unit's value
+    units = out.reshape(8, -1) if per_sample else out.reshape(-1, 1)            # one row per unit
+    dropped = (np.abs(units).sum(1) < np.abs(units - xs.reshape(units.shape)).sum(1))[:, None]
+    expected = np.where(dropped, 0.0, xs.reshape(units.shape)).reshape(out.shape)
+    row = _forward_row(op, f"forward: each {unit} is 0 or x / (1 - p)", out, expected, factors=factors)
+    zeros = (out == 0).reshape(8, -1).mean(1)                                    # (B,) share of zeros per sample
+    mixed = ((zeros > 0) & (zeros < 1)).any()
+    if per_sample and mixed:
+        row.note = ("zeros inside a sample: a mask drawn per value is dropout's; drop-path drops a whole sample's "
+                    "branch, one number per sample: keep of shape (B, 1, 1)")
+    elif not per_sample and zeros.any() and not mixed:
+        row.error, row.note = 1.0, ("only whole samples are dropped: that is drop-path's mask (B, 1, 1); dropout "
+                                    "draws one number per value, keep of x's shape")
+    rows.append(row)
+    many = asarray(np.ones((2000, 2, 2) if per_sample else (20, 10, 10)), dtype="float64")   # 2000 units
+    out_many = to_numpy(layer.forward(many))
+    share = float((out_many == 0).reshape(2000, -1).mean(1).mean() if per_sample else (out_many == 0).mean())
+    row = Row(op, f"forward: the share of {unit}s dropped, of 2000 (p = {p})", abs(share - p) / p, 0.2,
+              got=np.array([share]), expected=np.array([p]))             # 0.2 p: 5 std of the share (0.0097)
+    if not row.ok:
+        row.note = f"{share:.2f} of the {unit}s dropped, where p = {p}" + (
+            ": kept with probability p instead of dropped (keep = u >= p, for u uniform in [0, 1))"
+            if abs(share - (1 - p)) < 0.05 else "")
+    rows.append(row)
+    layer.eval()
+    rows.append(_forward_row(op, "eval mode: out = x", layer.forward(x), x, factors=factors,
+                             why="in eval mode dropout is the identity: the whole network, nothing dropped and "
+                                 "nothing rescaled (the 1/(1-p) in training is what makes that right)"))
+    layer.train()
+
+    def alternatives(dout):
+        return {"dx": [(dout, "dx = dout: the backward must apply the forward's mask and its 1/(1-p) too (out = x "
+                              "* keep / (1 - p), so dx = dout * keep / (1 - p))"),
+                       (dout / (1 - p), f"dx = dout / (1 - p) everywhere: the mask is missing (a dropped {unit} "
+                                        f"passes no gradient)")]}
+
+    grads = _gradient_rows(op, fixed, x, axes={"dx": TOKENS}, factors=factors, alternatives=alternatives)
+    for r in grads if not same.ok else []:
+        r.note = ("the mask changes from one forward to the next, so central differences see another layer each "
+                  "time: fix the row 'the same mask' first")
+    return rows + grads
+
+
+def check_dropout(rng, use_kernels):
+    return _check_dropout(False, rng, use_kernels)
+
+
+def check_drop_path(rng, use_kernels):
+    return _check_dropout(True, rng, use_kernels)
+
+
 def _conv_stem(layer, x):
     """ConvStem's forward composed from conv.py's pairs: conv, GroupNorm, ReLU per stage, flatten, proj."""
     for stage in layer.stages:
@@ -486,6 +575,9 @@ OPS = {
     "embedding": (check_embedding, "embeddings.Embedding: token ids -> rows of the table (repeated ids add)"),
     "conv_stem": (check_conv_stem, "conv.ConvStem: the hybrid's conv stages, GroupNorm, ReLU, 1x1 patches"),
     "pool": (check_pool, "layers.Pool: 'cls' and 'gap'"),
+    "dropout": (check_dropout, "layers.Dropout(p): a mask per value, 1/(1-p), the identity in eval mode"),
+    "drop_path": (check_drop_path, "layers.Dropout(p, per_sample=True), stochastic depth: a mask per sample, "
+                                   "1/(1-p)"),
     "head": (check_head, "the last stages: norm, pool, pre_logits (functional.tanh_*), head"),
     "cross_entropy": (check_cross_entropy, "functional.cross_entropy_*, with label smoothing 0.1"),
     "model": (check_model, "the whole ViT (2 blocks), every parameter"),
