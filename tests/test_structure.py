@@ -55,6 +55,7 @@ LEVELS = [
     ("data",),                      # load_dataset, and every reader's public name
     ("clip.captions",),             # CLIP's tokenizers and captioned images, built on data
     ("weights.checkpoint", "distributed"),  # the trainer's .npz files; data parallelism over MPI and NCCL
+    ("weights.files",),             # checkpoint files told apart by their content (JAX, timm, minivit)
     ("clip.task", "mae.task"),      # CLIP's task for the trainer: its data, batches, step (on R ranks too), evaluation;
                                     # MAE's (pre-training, a k-NN probe) and the fine-tuning from its checkpoint
     ("weights.convert",),           # published checkpoints (timm, JAX) and from_pretrained: above the model

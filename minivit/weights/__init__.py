@@ -4,6 +4,7 @@
                    (``minivit.checkpoint``)
     hf.py          Hugging Face transformers folders, ViT and CLIP: config.json + model.safetensors, both ways;
                    it sits just above model.py so that clip.CLIP.from_pretrained can call it (``minivit.hf``)
+    files.py       checkpoint files told apart by their content (JAX .npz, timm .safetensors / .pth, minivit's)
     convert.py     published layouts (timm, Google's JAX release) <-> minivit's, and from_pretrained, which
                    reads any of them, resizing position embeddings or replacing the head on the way
                    (``minivit.convert``)
