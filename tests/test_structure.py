@@ -339,3 +339,9 @@ def test_a_layer_moved_to_embeddings_says_where_it_went():
             getattr(minivit.layers, name)
     with pytest.raises(AttributeError, match="has no attribute 'Linaer'"):
         minivit.layers.Linaer
+
+
+def test_no_module_does_two_jobs():
+    """Issue 30: a file past ~600 lines is doing two jobs (shared/STYLE.md); none may pass 700."""
+    long = {str(p.relative_to(ROOT)): n for p in modules() if (n := len(p.read_text().splitlines())) > 700}
+    assert not long, f"split these modules (lines): {long}"
