@@ -3,6 +3,7 @@ raw tracebacks made one clear line (10), and the smaller faults the issue lists.
 its fix."""
 
 import os
+import signal
 import zipfile
 from pathlib import Path
 
@@ -462,3 +463,62 @@ def test_a_model_beyond_memory_is_refused_with_the_figure_before_it_is_built(tmp
     assert len(err) == 1 and not (tmp_path / "r").exists()
     assert "the model (412,333,834,250 parameters: weights, gradients, the optimizer's two moments) needs 6.6 TB" \
         in err[0] and "lower --embed-dim or --depth" in err[0]
+
+
+# ---- the stop decision of the loop: once per step, the same on every rank ---------------------------------
+
+
+class _WorldWithASignalDuringTheCollective:
+    """A world of ranks whose allreduce is interrupted by this rank's own SIGTERM (the handler runs when the
+    blocking call returns), while the other ranks had none: their maximum is this rank's value before it."""
+
+    def __init__(self, flag, others=0):
+        self.flag, self.others, self.calls = flag, others, 0
+
+    def max(self, value, what=""):
+        self.calls += 1
+        if self.calls == 1:
+            self.flag._handle(signal.SIGTERM, None)
+        return max(value, self.others)
+
+
+def test_a_signal_during_the_ranks_agreement_is_kept_for_the_next_step():
+    """Was: agree() overwrote the handler's record with the agreed 0, so the signal was lost and the two-rank
+    job trained on after SIGTERM. Now every rank decides "go on" for this step (the others saw no signal) and
+    "stop" at the next one."""
+    from minivit.train.loop import _StopFlag
+
+    flag = _StopFlag()
+    world = _WorldWithASignalDuringTheCollective(flag)
+    flag.agree(world)
+    assert not flag.stop and flag.signum == signal.SIGTERM      # this step: the same answer as the others'
+    flag.agree(world)
+    assert flag.stop and flag.decided == signal.SIGTERM         # the next step: every rank stops
+
+
+def test_a_signal_after_the_decision_waits_for_the_next_step():
+    """Was: `stop` read the handler's record directly, so a signal arriving during an evaluation made this rank
+    break after the step while the others, which had decided to go on, waited for it in the next collective
+    forever. Now `stop` is the step's decision, on one process as on several."""
+    from minivit.train.loop import _StopFlag
+
+    flag = _StopFlag()
+    flag.agree(None)
+    flag._handle(signal.SIGTERM, None)                          # e.g. during evaluate_and_save
+    assert not flag.stop
+    flag.agree(None)
+    assert flag.stop and flag.decided == signal.SIGTERM
+
+
+def test_another_ranks_signal_stops_this_one_and_its_own_late_signal_is_not_a_second():
+    from minivit.train.loop import _StopFlag
+
+    class OtherRankSignalled:
+        def max(self, value, what=""):
+            return max(value, signal.SIGTERM)
+
+    flag = _StopFlag()
+    flag.agree(OtherRankSignalled())
+    assert flag.stop and flag.decided == signal.SIGTERM
+    flag._handle(signal.SIGTERM, None)                          # its own, forwarded later: recorded, no SecondSignal
+    assert flag.signum == signal.SIGTERM

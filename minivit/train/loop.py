@@ -82,16 +82,23 @@ class SecondSignal(KeyboardInterrupt):
 
 class _StopFlag:
     """Ctrl-C (SIGINT) or SIGTERM (what a cluster scheduler sends before it kills a job) sets the flag;
-    the loop finishes its step, evaluates, saves a checkpoint and stops. A second signal interrupts at once."""
+    the loop finishes its step, evaluates, saves a checkpoint and stops. A second signal interrupts at once.
+
+    The handler only records the signal (signum); whether to stop after a step is decided by agree(), once per
+    step (on one process also after an evaluation, whose checkpoint is then the step's), and read through
+    `stop` until the next decision. A signal can arrive at any moment, also in the
+    middle of a collective or of an evaluation: read directly, it would make one rank stop a step before the
+    others, which then wait for it forever (seen: a two-rank job that went on after SIGTERM)."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
     def __init__(self):
-        self.signum, self.received, self._old = None, False, {}
+        self.signum, self.received, self.decided, self._old = None, False, None, {}
 
     @property
     def stop(self):
-        return self.signum is not None
+        """Stop after this step: what the last agree() decided."""
+        return self.decided is not None
 
     def __enter__(self):
         for signum in self.SIGNALS:
@@ -106,10 +113,14 @@ class _StopFlag:
             raise SecondSignal(signum)
         self.signum, self.received = signum, True
 
-    def agree(self, world):
-        """Several ranks: all stop after this step when any of them was told to (the launcher forwards a
-        signal to each, not at the same instant). A rank's own signal arriving after that is not a second one."""
-        self.signum = world.max(self.signum or 0, what="the stop signal") or None
+    def agree(self, world=None):
+        """Decide whether to stop after this step. One process: whether a signal came. Several ranks: whether one
+        came to any of them (the launcher forwards a signal to each, not at the same instant), the same answer on
+        every rank. signum is only read here, never written: a signal that arrives during the collective is kept
+        for the next step's decision, not overwritten. A rank's own signal arriving after a decision to stop is
+        not a second one."""
+        mine = self.signum or 0
+        self.decided = (mine if world is None else world.max(mine, what="the stop signal")) or None
 
     def __exit__(self, *exc):
         for signum, old in self._old.items():
@@ -382,8 +393,7 @@ def run_loop(run, callback=None):
                 if correct is not None:
                     shown["acc"] = f"{correct / cfg.batch_size:.2f}"
                 bar.set_postfix(shown)
-                if run.world is not None:   # a signal to any rank stops every rank, after this same step
-                    flag.agree(run.world)
+                flag.agree(run.world)       # a signal to any rank stops every rank, after this same step
                 if run.step in run.eval_steps or flag.stop:
                     record = evaluate_and_save(run)
                     if cfg.verbose:
@@ -393,14 +403,16 @@ def run_loop(run, callback=None):
                                   f"{record['val_acc']:.2%} | {record['images_per_second']:.0f} img/s")
                     if callback is not None:
                         callback(record)
+                    if run.world is None:   # one process: a signal during the evaluation stops after it (saved)
+                        flag.agree()
                 if flag.stop:
                     where = "no checkpoint (out=None)" if run.ckpt_path is None else \
                         f"checkpoint saved to {run.ckpt_path}; continue with --resume"
-                    bar.write(f"{signal.Signals(flag.signum).name} at step {run.step}: {where}")
+                    bar.write(f"{signal.Signals(flag.decided).name} at step {run.step}: {where}")
                     break
         finally:
             bar.close()
-    return None if flag.signum is None else signal.Signals(flag.signum).name
+    return None if flag.decided is None else signal.Signals(flag.decided).name
 
 
 def evaluate_and_save(run):
