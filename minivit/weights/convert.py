@@ -463,10 +463,12 @@ def resize_state_dict(config, state, img_size):
     return new_config, state
 
 
-def load_checkpoint_file(path, num_heads=None, img_size=None, gelu=None, num_classes=None, verbose=True):
+def load_checkpoint_file(path, num_heads=None, img_size=None, gelu=None, num_classes=None, verbose=True,
+                         read=None):
     """Any checkpoint minivit reads -> (ViTConfig, minivit state dict): read_checkpoint_file, then
-    from_google_npz or from_timm_checkpoint (their arguments have the same meaning)."""
-    kind, arrays = read_checkpoint_file(path)
+    from_google_npz or from_timm_checkpoint (their arguments have the same meaning). read: the file's
+    (kind, arrays) when the caller has read it already (a large file is then not read twice)."""
+    kind, arrays = read if read is not None else read_checkpoint_file(path)
     if kind == "minivit":
         return _from_minivit_checkpoint(path, arrays, num_heads, img_size, gelu, num_classes)
     convert = from_google_npz if kind == "google" else from_timm_checkpoint
@@ -530,7 +532,8 @@ def from_pretrained(path, num_classes=None, img_size=None, num_heads=None, gelu=
             return _distilled(path, num_classes, img_size, num_heads, gelu, seed, dtype, verbose, new_head,
                               checkpoint_img_size)
         config, state = load_checkpoint_file(path, num_heads=num_heads, img_size=checkpoint_img_size,
-                                             gelu=gelu, num_classes=num_classes, verbose=verbose)
+                                             gelu=gelu, num_classes=num_classes, verbose=verbose,
+                                             read=(kind, arrays))
     check_finite(state, repr(os.fspath(path)), advice="a damaged file, or one saved from a diverged run: use "
                                                        "another copy of the weights")
     if img_size is not None:
