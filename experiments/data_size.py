@@ -68,7 +68,7 @@ def run(s, argv=None):
 def plot(results):
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = plt.subplots(figsize=(9, 4.6))
     styles = {"vit": ("o-", "ViT"), "hybrid": ("^-", "hybrid (conv stem)"), "resnet": ("s-", "ResNet")}
     for arch in results["settings"]["models"]:
         rows = [r for r in results["runs"] if r["model"] == arch]

@@ -55,7 +55,7 @@ def plot(results):
     sizes = results["settings"]["patch_sizes"]
     rows = {P: [r for r in results["runs"] if r["patch_size"] == P] for P in sizes}
     acc = [100 * common.mean_std([r["final_test_acc"] for r in rows[P]])[0] for P in sizes]
-    fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(9, 3.6))
+    fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(11, 4))
     ax0.plot(sizes, acc, "o-")
     ax0.set(xlabel="patch size P", ylabel="test accuracy (%)", title="accuracy, same steps", xticks=sizes)
     mflops = [rows[P][0]["mflops"] for P in sizes]

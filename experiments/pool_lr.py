@@ -57,7 +57,7 @@ def curve(results, pool):
 def plot(results):
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = plt.subplots(figsize=(8, 4.4))
     for pool, style in (("cls", "o-"), ("gap", "s-")):
         if pool in results["settings"]["pools"]:
             pts = curve(results, pool)

@@ -58,7 +58,7 @@ def plot(results):
 
     ours = summary(results)
     kinds = list(ours)
-    fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(9, 3.6))
+    fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(11, 4))
     bars = ax0.bar(kinds, [100 * ours[k][0] for k in kinds], yerr=[100 * ours[k][1] for k in kinds], color="C0")
     ax0.bar_label(bars, fmt="%.1f", fontsize=8)
     lo = min(100 * m for m, _ in ours.values())

@@ -59,6 +59,28 @@ def test_committed_notebook_is_small_clean_and_shaped_like_a_lesson(name):
     assert any("image/png" in o.get("data", {}) for c in code for o in c["outputs"]), f"{name} has no figure"
 
 
+MIN_FIGURE_WIDTH = 600     # px: at notebook width a narrower figure's labels are too small to read (issue 31)
+
+
+@pytest.mark.parametrize("name", LESSONS)
+def test_every_committed_figure_is_wide_enough_to_read(name):
+    import base64
+    import io
+
+    from PIL import Image
+
+    narrow = []
+    for i, cell in enumerate(_read(name)["cells"]):
+        for out in cell.get("outputs", []):
+            for kind in ("image/png", "image/jpeg"):
+                if kind in out.get("data", {}):
+                    width, height = Image.open(io.BytesIO(base64.b64decode(out["data"][kind]))).size
+                    if width < MIN_FIGURE_WIDTH:
+                        narrow.append(f"cell {i}: {width}x{height} px")
+    assert not narrow, (f"{name}: figures under {MIN_FIGURE_WIDTH} px wide ({'; '.join(narrow)}); widen figsize "
+                        "(a JPEG via viz.show_jpeg keeps a wide picture small)")
+
+
 ANSWERS_OPEN = "<details><summary><b>Short answers</b>"
 
 
