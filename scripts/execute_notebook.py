@@ -10,7 +10,8 @@ before it runs each notebook. Each notebook runs in its own folder (so `assets/.
 in Jupyter), with the same environment as tests/test_notebooks.py: MINIVIT_BACKEND=numpy,
 OPENBLAS_NUM_THREADS=1, MINIVIT_CHECK_CLAIMS=1 and this checkout first on PYTHONPATH (the kernel gets them;
 this process's environment is left as it is). The executed notebook replaces the file only after every cell
-ran without an error (written to a temporary file, then os.replace). Each notebook says in its first cell
+ran without an error (written to a temporary file, then os.replace). Progress bars are saved as a terminal
+shows them, their last state before each printed line (collapse_progress). Each notebook says in its first cell
 which mode its committed outputs come from; notebooks/README.md lists them.
 """
 
@@ -48,6 +49,33 @@ def kernel_env(quick, environ=os.environ):
     return env
 
 
+def terminal_text(text):
+    """What a terminal shows of text: each line only after its last carriage return. A progress bar (tqdm)
+    redraws its line with \\r at every step; kept whole, a 1,400-step run would write 1,400 copies of it into
+    the notebook. A part of only spaces (tqdm blanking its line) hides nothing: the part before it is shown."""
+    lines = []
+    for line in text.split("\n"):
+        shown = [part for part in line.split("\r") if part.strip()]
+        lines.append(shown[-1] if shown else "")
+    return "\n".join(lines)
+
+
+def collapse_progress(outputs):
+    """A cell's outputs with each run of consecutive stream outputs of one name (stdout or stderr) merged into
+    one and reduced to terminal_text; the order of stdout and stderr and every other output are kept."""
+    merged = []
+    for out in outputs:
+        if out.get("output_type") == "stream" and merged and merged[-1].get("output_type") == "stream" \
+                and merged[-1].get("name") == out.get("name"):
+            merged[-1]["text"] += out["text"]
+        else:
+            merged.append(out)
+    for out in merged:
+        if out.get("output_type") == "stream":
+            out["text"] = terminal_text(out["text"])
+    return merged
+
+
 def execute(path, quick, timeout=1800):
     import nbclient
     import nbformat
@@ -61,6 +89,9 @@ def execute(path, quick, timeout=1800):
                                      resources={"metadata": {"path": str(path.parent)}})
     start = time.perf_counter()
     client.execute(env=kernel_env(quick))       # raises CellExecutionError on the first failing cell
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            cell.outputs = collapse_progress(cell.outputs)   # progress bars as a terminal shows them
     tmp = path.with_name(f".{path.name}.tmp")
     nbformat.write(nb, tmp)
     os.replace(tmp, path)

@@ -57,3 +57,42 @@ def test_minivit_quick_in_the_environment_runs_the_notebook_in_quick_mode(tmp_pa
     assert "running in full mode (--full)" in capsys.readouterr().out
     (out,) = nbformat.read(path, as_version=4).cells[0].outputs
     assert out["text"] == "MINIVIT_QUICK = None\n"
+
+
+def test_a_progress_bar_is_saved_as_a_terminal_shows_it():
+    assert execute_notebook.terminal_text("step 1\rstep 2\rstep 3") == "step 3"
+    assert execute_notebook.terminal_text("a\rb\nc\rd\n") == "b\nd\n"
+    assert execute_notebook.terminal_text("bar 100%\r      \r") == "bar 100%"     # tqdm blanking its line
+    assert execute_notebook.terminal_text("plain\n  indented\n") == "plain\n  indented\n"
+    outputs = [{"output_type": "stream", "name": "stderr", "text": "\r 10%"},
+               {"output_type": "stream", "name": "stderr", "text": "\r 20%"},
+               {"output_type": "stream", "name": "stdout", "text": "eval at 20%\n"},
+               {"output_type": "stream", "name": "stderr", "text": "\r 30%"},
+               {"output_type": "display_data", "data": {"text/plain": "a figure"}},
+               {"output_type": "stream", "name": "stderr", "text": "\r100%\n"}]
+    assert execute_notebook.collapse_progress(outputs) == [
+        {"output_type": "stream", "name": "stderr", "text": " 20%"},
+        {"output_type": "stream", "name": "stdout", "text": "eval at 20%\n"},
+        {"output_type": "stream", "name": "stderr", "text": " 30%"},
+        {"output_type": "display_data", "data": {"text/plain": "a figure"}},
+        {"output_type": "stream", "name": "stderr", "text": "100%\n"}]
+
+
+def test_an_executed_notebook_keeps_one_line_of_a_redrawn_progress_bar(tmp_path):
+    nbformat = pytest.importorskip("nbformat")
+    pytest.importorskip("nbclient")
+    path = tmp_path / "lesson.ipynb"
+    source = ("import sys, time\n"
+              "for i in range(1, 401):\n"
+              "    sys.stderr.write(f'\\rstep {i}/400'); sys.stderr.flush()\n"
+              "    if i % 200 == 0:\n"
+              "        time.sleep(0.3); print(f'evaluated at step {i}', flush=True); time.sleep(0.3)\n"
+              "_ = sys.stderr.write('\\n')")
+    nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(source)]), path)
+    assert execute_notebook.main(["--quick", str(path)]) == 0
+    outputs = nbformat.read(path, as_version=4).cells[0].outputs
+    text = "".join(o["text"] for o in outputs)
+    assert "\r" not in text and text.count("step ") == 4, text     # two bars and two evaluation lines
+    assert [o["text"] for o in outputs if o["name"] == "stdout"] == ["evaluated at step 200\n",
+                                                                     "evaluated at step 400\n"]
+    assert "step 400/400" in text
