@@ -403,3 +403,26 @@ def test_an_op_whose_class_no_longer_has_the_textbook_arrays_differs_and_a_stude
     with C.replaced(L.LayerNorm, "forward", broken):
         report = C.run(["layernorm"], use_kernels=False)
     assert report.rows[0].status == "WRONG" and report.rows[0].what == "raised KeyError"
+
+
+def test_a_model_with_one_float32_parameter_is_refused_naming_that_parameter(tmp_path):
+    from minivit.check.walk import not_float64
+
+    model = build_all_changes("float64")
+    assert not_float64(model) == ""
+    model.blocks[1].attn.params["temperature"] = model.blocks[1].attn.params["temperature"].astype("float32")
+    total = len(model.params)
+    assert not_float64(model) == f"parameter blocks.1.attn.temperature (float32) is not float64 (1 of {total})"
+    with pytest.raises(TypeError, match=r"blocks\.1\.attn\.temperature \(float32\).*A layer you wrote"):
+        C.run_model(model)
+    assert not_float64(build_all_changes("float32")).startswith(f"all {total} parameters are float32")
+    with pytest.raises(TypeError, match="Build it with dtype='float64'"):
+        C.run_model(build_all_changes("float32"))
+    file = _student_file(tmp_path, "from test_check_model import build_all_changes\n"
+                                   "def build(dtype='float64'):\n"
+                                   "    model = build_all_changes(dtype)\n"
+                                   "    attn = model.blocks[1].attn\n"
+                                   "    attn.params['temperature'] = attn.params['temperature'].astype('float32')\n"
+                                   "    return model\n")
+    run = _cli("--model", f"{file}:build")
+    assert run.returncode == 2 and "blocks.1.attn.temperature (float32) is not float64" in run.stderr, run.stderr

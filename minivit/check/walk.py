@@ -276,6 +276,26 @@ def default_input(model, batch=3, seed=0):
     return images
 
 
+FIX_OWN_LAYER = ("A layer you wrote likely creates its parameters in its own dtype: give it a dtype argument, "
+                 "create them with it (np.ones(shape, dtype=dtype)) as minivit's layers do, and build it with "
+                 "the model's dtype.")
+
+
+def not_float64(model):
+    """'' when every parameter of model is float64; else what is not, by name: "all 42 parameters are float32",
+    or "parameter blocks.0.mlp.act.alpha (float32) is not float64 (1 of 21)" (three named, then how many more)."""
+    params = model.params
+    low = {name: str(p.dtype) for name, p in params.items() if p.dtype != "float64"}
+    if not low:
+        return ""
+    if len(low) == len(params):
+        return f"all {len(params)} parameters are {', '.join(sorted(set(low.values())))}"
+    named = ", ".join(f"{name} ({dtype})" for name, dtype in list(low.items())[:3])
+    more = f" and {len(low) - 3} more" if len(low) > 3 else ""
+    verb = "parameter {} is" if len(low) == 1 else "parameters {} are"
+    return f"{verb.format(named + more)} not float64 ({len(low)} of {len(params)})"
+
+
 def run_model(model, x=None, seed=0):
     """Check every layer of ``model`` as its classes stand (a student's own layers too), each on its own
     input, by float64 central differences; returns a Report (``print`` it, ``.ok``, ``.wrong()``,
@@ -285,10 +305,10 @@ def run_model(model, x=None, seed=0):
     start = time.perf_counter()
     if not isinstance(model, L.Layer):
         raise TypeError(f"run_model takes a minivit model (a Layer), got {type(model).__name__}")
-    low = sorted({str(p.dtype) for p in model.params.values() if p.dtype != "float64"})
-    if low:
-        raise TypeError(f"the model's parameters are {', '.join(low)}: the check needs float64 (float32 rounding "
-                        "swamps the finite differences). Build it with dtype='float64'")
+    problem = not_float64(model)
+    if problem:
+        raise TypeError(f"{problem}; the check needs float64 (float32 rounding swamps the finite differences). "
+                        + ("Build it with dtype='float64'." if problem.startswith("all") else FIX_OWN_LAYER))
     model = copy.deepcopy(model)
     for layer in model.sublayers():
         if isinstance(layer, L.Dropout):
@@ -319,9 +339,9 @@ def load_model(spec):
     model = build(dtype="float64") if takes_dtype else build()
     if not isinstance(model, L.Layer):
         raise ValueError(f"--model: {func}() returned {type(model).__name__}, not a minivit model (a Layer)")
-    low = sorted({str(p.dtype) for p in model.params.values() if p.dtype != "float64"})
-    if low:
-        raise ValueError(f"--model: {func}() built a {', '.join(low)} model; the check needs float64. "
-                         + ("Pass dtype to every layer it builds." if takes_dtype else
-                            f"Give it a dtype argument (def {func}(dtype='float64')) and build with it."))
+    problem = not_float64(model)
+    if problem:
+        fix = FIX_OWN_LAYER if not problem.startswith("all") else "Pass dtype to every layer it builds." \
+            if takes_dtype else f"Give it a dtype argument (def {func}(dtype='float64')) and build with it."
+        raise ValueError(f"--model: {func}() built a model whose {problem}; the check needs float64. {fix}")
     return model
