@@ -10,12 +10,9 @@ recomputes the weights from the cache, for a picture or a test. The long note be
 
 import math
 
-import numpy
-
 from .. import _blas_env
+from ..backend import get_array_module
 from . import cpu, cuda
-
-f32 = numpy.float32
 
 
 class AttentionCache(tuple):
@@ -131,18 +128,18 @@ def _mask_in_score_units(mask, scale, xp):
     """The additive mask divided by the scale, (N, N) float32: added to the raw scores q.k before the row
     kernel multiplies them by the scale, it adds the mask to scale q.k (-inf stays -inf; the kernels'
     exp of -inf is ~1e-38 on the CPU, 0 on the GPU: a masked weight is 0 to float32 precision)."""
-    return None if mask is None else (xp.asarray(mask, dtype=numpy.float32) / scale).astype(numpy.float32)
+    return None if mask is None else (xp.asarray(mask, dtype="float32") / scale).astype("float32")
 
 
 def _fused_attention_forward(qkv, num_heads, mask=None):
     gpu = cuda._is_cupy(qkv)
-    xp = cuda._cupy() if gpu else numpy
+    xp = get_array_module(qkv)
     softmax_lse = cuda._gpu_softmax_lse if gpu else cpu._softmax_lse   # the row kernel: CUDA or Numba
-    matmul = cuda._gpu_matmul if gpu else numpy.matmul           # cuBLAS (see above) or BLAS
+    matmul = cuda._gpu_matmul if gpu else xp.matmul           # cuBLAS (see above) or BLAS
     B, N, D3 = qkv.shape
     D = D3 // 3
     q, k, v = _attention_operands(qkv, num_heads, gpu)           # (B, nh, N, hs) each
-    scale = f32(1.0 / math.sqrt(D // num_heads))
+    scale = xp.float32(1.0 / math.sqrt(D // num_heads))
     out = xp.empty((B, N, D), qkv.dtype)                         # (B, N, D), heads side by side
     lse = xp.empty((B, num_heads, N), qkv.dtype)                 # (B, nh, N)
     ctx = xp.empty_like(q) if gpu else _heads(out, num_heads)    # (B, nh, N, hs): contiguous, or a view of out
@@ -164,13 +161,13 @@ def _fused_attention_forward(qkv, num_heads, mask=None):
 def _fused_attention_backward(dout, cache):
     qkv, lse, num_heads, mask = cache
     gpu = cuda._is_cupy(qkv)
-    xp = cuda._cupy() if gpu else numpy
+    xp = get_array_module(qkv)
     softmax_lse_bwd = cuda._gpu_softmax_lse_bwd if gpu else cpu._softmax_lse_bwd
-    matmul = cuda._gpu_matmul if gpu else numpy.matmul
+    matmul = cuda._gpu_matmul if gpu else xp.matmul
     B, N, D3 = qkv.shape
     D = D3 // 3
     q, k, v = _attention_operands(qkv, num_heads, gpu)           # (B, nh, N, hs) each
-    scale = f32(1.0 / math.sqrt(D // num_heads))
+    scale = xp.float32(1.0 / math.sqrt(D // num_heads))
     if gpu:                                                      # contiguous: dq, dk, dv; dctx copied once
         dheads = xp.empty((3,) + q.shape, qkv.dtype)             # (3, B, nh, N, hs)
         dq, dk, dv = dheads[0], dheads[1], dheads[2]
@@ -214,9 +211,9 @@ def attention_weights(cache):
     recomputed from its AttentionCache as its row kernel makes them: from the raw scores q.k alone (max,
     exp, sum), not as exp(scale q.k - lse), which cancels at large scores (see the note above)."""
     qkv, lse, num_heads, mask = cache
-    xp = cuda._cupy() if cuda._is_cupy(qkv) else numpy
+    xp = get_array_module(qkv)
     q, k, _ = _three_heads(qkv, num_heads)                       # (B, nh, N, hs) each
-    scale = f32(1.0 / math.sqrt(q.shape[-1]))
+    scale = xp.float32(1.0 / math.sqrt(q.shape[-1]))
     s = xp.matmul(q, k.swapaxes(-1, -2))                         # (B, nh, N, N)  raw scores q.k
     m = _mask_in_score_units(mask, scale, xp)                    # (N, N) or None
     if m is not None:
