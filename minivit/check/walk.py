@@ -341,7 +341,11 @@ def load_model(spec):
         raise ValueError(f"--model: {func}() returned {type(model).__name__}, not a minivit model (a Layer)")
     problem = not_float64(model)
     if problem:
-        fix = FIX_OWN_LAYER if not problem.startswith("all") else "Pass dtype to every layer it builds." \
-            if takes_dtype else f"Give it a dtype argument (def {func}(dtype='float64')) and build with it."
+        if not problem.startswith("all"):                   # a float64 model with a few other arrays
+            fix = FIX_OWN_LAYER
+        elif takes_dtype:
+            fix = "Pass dtype to every layer it builds."
+        else:
+            fix = f"Give it a dtype argument (def {func}(dtype='float64')) and build with it."
         raise ValueError(f"--model: {func}() built a model whose {problem}; the check needs float64. {fix}")
     return model
