@@ -26,7 +26,8 @@ The engines (optional: pip install minivit[distributed]):
 A process that no MPI launcher started imports neither: ``init()`` returns None and the trainer runs
 exactly as it always did.
 
-Faults. A rank that raises calls ``abort`` (MPI_Abort ends every rank); one that dies or hangs is caught
+Faults. A rank that raises prints its error and calls ``abort``, which waits (at most ABORT_DRAIN_S) until
+the launcher has read that error, then ends every rank (MPI_Abort); one that dies or hangs is caught
 by the others' Watchdog: no collective waits longer than MINIVIT_DIST_TIMEOUT seconds (default 300).
 
 Glossary: R world_size (ranks), r rank (0 .. R-1), B global batch, b = B / R images per rank,
@@ -85,6 +86,7 @@ def timeout_from_env():
 # --------------------------------------------------------------------------------------------------
 
 EXIT_TIMEOUT = 75   # the exit status of a rank that gave up waiting (EX_TEMPFAIL: try again)
+ABORT_DRAIN_S = 2.0   # abort waits at most this long for the launcher to read what this rank printed
 
 
 class Watchdog:
@@ -203,13 +205,45 @@ class MPIComm:
             return self.comm.allgather(obj)
 
     def abort(self, code=1):
-        """End every rank now (MPI_Abort), with this exit status. Never returns."""
+        """End every rank now (MPI_Abort), with this exit status. Never returns.
+
+        What this rank printed last (its error) is first left time to reach the user: see
+        wait_until_output_is_read."""
         sys.stdout.flush()
         sys.stderr.flush()
+        wait_until_output_is_read()
         try:
             self.comm.Abort(code)
         finally:
             os._exit(code)   # MPI_Abort may return before the launcher has ended this process
+
+
+def wait_until_output_is_read(fds=(1, 2), limit=ABORT_DRAIN_S):
+    """Wait (at most limit seconds) until the launcher has read everything this process wrote to its
+    stdout and stderr, when they are pipes (under mpiexec they are: the launcher forwards them).
+
+    Why: MPICH's launcher receives a rank's output on its pipes and MPI_Abort on another channel, and it may
+    act on the abort first, ending every rank before it forwarded the error that caused it; the user would
+    see the exit status and not why. The bytes still in a pipe are counted by ioctl FIONREAD (Linux: on
+    either end of the pipe)."""
+    import fcntl
+    import stat
+    import termios
+    from array import array
+
+    deadline = time.monotonic() + limit
+    for fd in fds:
+        try:
+            if not stat.S_ISFIFO(os.fstat(fd).st_mode):
+                continue
+            unread = array("i", [0])
+            while True:
+                fcntl.ioctl(fd, termios.FIONREAD, unread, True)
+                if unread[0] == 0 or time.monotonic() > deadline:
+                    break
+                time.sleep(0.01)
+        except OSError:   # closed, or a system without FIONREAD on pipes: nothing to wait for
+            continue
 
 
 class NCCLComm(MPIComm):

@@ -474,6 +474,36 @@ def test_evaluation_overflow_and_contrastive_features(tmp_path):
     np.testing.assert_allclose(np.load(tmp_path / "clip_grad.npy"), grad, rtol=1e-12, atol=1e-15)
 
 
+def test_abort_waits_until_the_launcher_has_read_the_error(tmp_path):
+    """Before MPI_Abort a rank waits until its output pipe is empty (the launcher may act on the abort
+    before forwarding the error, which the user would then never see), and no longer than the limit."""
+    import threading
+
+    read_fd, write_fd = os.pipe()
+    os.write(write_fd, b"error: rank 1 broke\n")
+    reader = threading.Timer(0.3, os.read, (read_fd, 100))   # the launcher, reading a little later
+    start = time.monotonic()
+    reader.start()
+    dist.wait_until_output_is_read([write_fd], limit=10.0)
+    waited = time.monotonic() - start
+    reader.join()
+    assert 0.25 < waited < 5.0                                 # returned once read, not at the limit
+
+    os.write(write_fd, b"nobody reads this\n")                # a launcher that never reads: the limit
+    start = time.monotonic()
+    dist.wait_until_output_is_read([write_fd], limit=0.2)
+    assert 0.15 < time.monotonic() - start < 5.0
+    os.close(read_fd)
+    os.close(write_fd)
+
+    with open(tmp_path / "log", "w") as log:                   # not a pipe (a file, a terminal): no wait
+        log.write("x" * 100)
+        log.flush()
+        start = time.monotonic()
+        dist.wait_until_output_is_read([log.fileno()], limit=10.0)
+        assert time.monotonic() - start < 1.0
+
+
 @needs_mpi
 @pytest.mark.parametrize("scenario, status", [("killed", None), ("hangs", dist.EXIT_TIMEOUT), ("raises", 3)])
 def test_a_failed_rank_ends_the_others(tmp_path, scenario, status):
@@ -488,7 +518,7 @@ def test_a_failed_rank_ends_the_others(tmp_path, scenario, status):
     if scenario == "hangs":
         assert "rank 0 waited more than 3 s for the other ranks in the gradient all-reduce" in run.stderr
     if scenario == "raises":
-        assert "error: rank 1 broke" in run.stderr
+        assert "error: rank 1 broke" in run.stderr, (run.returncode, run.stdout, run.stderr)
 
 
 @pytest.fixture(scope="module")
