@@ -1,4 +1,4 @@
-"""Data parallelism (minivit/distributed.py) with real ranks: `mpiexec -n 2` subprocesses on the CPU.
+"""Data parallelism (minivit/distributed/) with real ranks: `mpiexec -n 2` subprocesses on the CPU.
 
 The ranks run this file's worker (the bottom of the file: `python tests/test_distributed.py SCENARIO OUT`);
 the 1-process reference runs here, in the test, through the same loop with comm=None. Each rank gets one
@@ -758,7 +758,7 @@ def test_nccl_with_one_rank_equals_one_process(monkeypatch):
     # and the trainer on the GPU, its gradients exchanged through NCCL (ZeRO-1), against the trainer alone
     out = tempfile.mkdtemp()
     alone = train_run("adamw_accum_clip_zero", os.path.join(out, "alone"), backend="cupy")
-    monkeypatch.setattr(dist, "_world", comm)          # what init() returns under a launcher
+    monkeypatch.setattr(dist.communicators, "_world", comm)   # what init() returns under a launcher
     ranked = train_run("adamw_accum_clip_zero", os.path.join(out, "nccl"), backend="cupy")
     assert ranked.summary["world_size"] == 1 and max_rel(params_of(ranked), params_of(alone)) < 1e-10
 

@@ -54,8 +54,11 @@ LEVELS = [
     ("data.cifar", "data.fashion_mnist", "data.folders", "data.synthetic"),  # the readers, and sets drawn
     ("data",),                      # load_dataset, and every reader's public name
     ("clip.captions",),             # CLIP's tokenizers and captioned images, built on data
-    ("weights.checkpoint", "distributed"),  # the trainer's .npz files; data parallelism over MPI and NCCL
-    ("weights.files",),             # checkpoint files told apart by their content (JAX, timm, minivit)
+    ("weights.checkpoint",          # the trainer's .npz files;
+     "distributed.communicators"),  # the ranks: launcher, collectives on MPI and NCCL, faults
+    ("weights.files",               # checkpoint files told apart by their content (JAX, timm, minivit);
+     "distributed.data_parallel"),  # data parallelism on them: slices, flat gradients, all-reduce or ZeRO-1
+    ("distributed",),               # distributed/__init__.py: both rooms' public names
     ("clip.task", "mae.task"),      # CLIP's task for the trainer: its data, batches, step (on R ranks too), evaluation;
                                     # MAE's (pre-training, a k-NN probe) and the fine-tuning from its checkpoint
     ("weights.convert",),           # published checkpoints (timm, JAX) and from_pretrained: above the model

@@ -150,7 +150,7 @@ class TrainConfig:
     random_erasing: float = option(None, "the probability of erasing a patch of each image")
     seed: int = option(None, "the seed of the model's initialisation, the batches and the augmentation")
     zero: bool = option(False, "with several ranks (mpiexec): shard the optimizer state across them (ZeRO-1, "
-                               "minivit/distributed.py); no effect in one process")
+                               "minivit/distributed/data_parallel.py); no effect in one process")
     # where it runs, what it writes
     backend: str = option(None, "where to compute (default: the current backend)", backend.BACKENDS)
     dtype: str = option(None, "the parameters' dtype", DTYPES)

@@ -157,7 +157,7 @@ class Run:
     total_steps: int
     eval_steps: object          # an EvalSteps: evaluate, record and save after these steps (and at a Ctrl-C or SIGTERM)
     given_model: bool = False   # a model passed to train(), not built from cfg
-    world: object = None        # several ranks (mpiexec): their communicator (minivit/distributed.py), else None
+    world: object = None        # several ranks (mpiexec): their communicator (minivit/distributed/), else None
     dp: object = None           # and the DataParallel that exchanges each step's gradients
     task: object = None         # tasks.ClassificationTask or clip.task.CLIPTask: batches, step, evaluation (set
                                 # once the data are on the backend)

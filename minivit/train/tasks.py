@@ -163,7 +163,7 @@ def build_model(cfg, data, resumed=None):
 def batch_for_step(step, cfg, data_x, data_y, steps_per_epoch, mean, std, dtype, num_classes, world=None):
     """The augmented batch of optimizer step `step`: a function of (seed, step) only (see minivit/train/__init__.py).
     data_x: uint8 (N, H, W, C) on the backend; data_y: int64 (N,) on the backend. world: the communicator
-    of several ranks (minivit/distributed.py), or None: rank r takes rows [r b, (r + 1) b) of the global
+    of several ranks (minivit/distributed/), or None: rank r takes rows [r b, (r + 1) b) of the global
     batch, b = B / R, and augments them from its own stream of (seed, step, r).
     Returns x float (B, H, W, C) and targets: labels (B,) or soft targets (B, K) with mixup/cutmix."""
     epoch, i = divmod(step, steps_per_epoch)
