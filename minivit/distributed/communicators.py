@@ -104,6 +104,7 @@ class Watchdog:
                                  f"in {what}: a rank has died or hangs (its own output says why). Exiting; "
                                  f"MINIVIT_DIST_TIMEOUT sets the limit.\n")
                 sys.stderr.flush()
+                wait_until_output_is_read()          # the launcher may end the job as soon as this rank exits
                 os._exit(EXIT_TIMEOUT)
 
 
