@@ -231,6 +231,32 @@ def test_fused_attention_takes_a_strided_qkv_and_chunks_of_any_size(rng, monkeyp
             np.testing.assert_array_equal(a, b)
 
 
+@needs_numba
+def test_attention_threads_follow_the_callers_errstate(rng, monkeypatch):
+    """The trainer silences NumPy's floating-point warnings where float16 overflows by design
+    (np.errstate, train/tasks.py); attention's worker threads must keep that setting (NumPy keeps it per
+    thread): CI printed "invalid value encountered in matmul" from them."""
+    import warnings
+
+    B, N, D, nh = 8, 9, 16, 2
+    qkv = rng.standard_normal((B, N, 3 * D)).astype(np.float32)
+    dout = rng.standard_normal((B, N, D)).astype(np.float32)
+    dout[0, 0, 0] = np.inf                                                 # an overflowed gradient
+    monkeypatch.setattr(attention, "THREADED_ATTENTION", True)
+    monkeypatch.setenv("MINIVIT_NUM_THREADS", "2")
+    monkeypatch.setattr(attention, "CHUNK_BYTES", nh * N * N * 4)          # one image a chunk: 8 chunks
+    if attention._attention_workers() < 2:
+        pytest.skip("attention runs on one thread here (threadpoolctl missing)")
+    _, cache = kernels.attention_forward(qkv, nh)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                                     # any warning fails the test
+        with np.errstate(over="ignore", invalid="ignore"):
+            dqkv = kernels.attention_backward(dout, cache)
+    assert not np.isfinite(dqkv).all()                                     # the inf did spread: there was
+    with pytest.warns(RuntimeWarning, match="invalid value"):             # something to silence, and
+        kernels.attention_backward(dout, cache)                           # without errstate it is said
+
+
 def test_attention_chunks_cover_the_batch_in_equal_shares():
     for B, nh, N, workers in [(64, 3, 65, 2), (7, 2, 9, 2), (1, 12, 197, 2), (5, 1, 4, 3), (64, 3, 65, 1)]:
         chunks = attention._chunks(B, nh, N, 4, workers, attention.CHUNK_BYTES)

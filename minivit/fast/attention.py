@@ -8,6 +8,7 @@ offers the two passes as the twins attention_forward / attention_backward, and a
 recomputes the weights from the cache, for a picture or a test. The long note below says why each choice.
 """
 
+import contextvars
 import math
 
 from .. import _blas_env
@@ -107,8 +108,10 @@ def _run_chunks(work, B, nh, N, itemsize, gpu):
         _chunk_pool = ThreadPoolExecutor(workers, thread_name_prefix="minivit-attention")
     if _blas_control is None:
         _blas_control = threadpoolctl.ThreadpoolController()
+    # each chunk runs in a copy of this thread's context: NumPy keeps np.errstate there, and a caller that
+    # silenced float16's overflow (train/tasks.py) must not hear of it from the workers
     with _blas_control.limit(limits=1, user_api="blas"):
-        for f in [_chunk_pool.submit(work, b0, b1) for b0, b1 in chunks]:
+        for f in [_chunk_pool.submit(contextvars.copy_context().run, work, b0, b1) for b0, b1 in chunks]:
             f.result()                                                # (re-raises a worker's error)
 
 
