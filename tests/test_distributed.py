@@ -263,6 +263,10 @@ def train_run(name, out, **changes):
     from minivit.train import TrainConfig, train
 
     cfg = TrainConfig(**{**TRAIN, **RUNS[name], "out": os.path.join(out, "runs", name), **changes})
+    on_numpy = (cfg.backend or minivit.backend.get_backend()) == "numpy"
+    if cfg.precision == "float16" and on_numpy:   # the trainer says that float16 is slow on NumPy: this run means it
+        with pytest.warns(RuntimeWarning, match="float16 matrix products on NumPy"):
+            return train(cfg, data=tiny_shapes())
     return train(cfg, data=tiny_shapes())
 
 
