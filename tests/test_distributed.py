@@ -224,6 +224,8 @@ def worker_faults(comm, scenario):
             except RuntimeError as err:
                 print(f"error: {err}", file=sys.stderr, flush=True)
                 comm.abort(3)
+        elif scenario == "uncaught":                      # what a bug in a student's layer does on one rank
+            raise RuntimeError("rank 1 broke, uncaught")
     comm.allreduce(np.ones(4))
     print(f"rank {comm.rank} went past the all-reduce", flush=True)
 
@@ -509,9 +511,11 @@ def test_abort_waits_until_the_launcher_has_read_the_error(tmp_path):
 
 
 @needs_mpi
-@pytest.mark.parametrize("scenario, status", [("killed", None), ("hangs", dist.EXIT_TIMEOUT), ("raises", 3)])
+@pytest.mark.parametrize("scenario, status", [("killed", None), ("hangs", dist.EXIT_TIMEOUT), ("raises", 3),
+                                              ("uncaught", 1)])
 def test_a_failed_rank_ends_the_others(tmp_path, scenario, status):
-    """Rank 1 dies, hangs or raises while rank 0 waits in an all-reduce: the job ends within seconds."""
+    """Rank 1 dies, hangs, raises or leaves an exception uncaught while rank 0 waits in an all-reduce: the job
+    ends within seconds, and what rank 1 said reaches the user."""
     start = time.monotonic()
     run = mpiexec(2, ["tests/test_distributed.py", scenario, str(tmp_path)], timeout=60, MINIVIT_DIST_TIMEOUT="3")
     # a hang would run into the 60 s timeout above; 55 s leaves room for two ranks starting on a loaded machine
@@ -523,6 +527,8 @@ def test_a_failed_rank_ends_the_others(tmp_path, scenario, status):
         assert "rank 0 waited more than 3 s for the other ranks in the gradient all-reduce" in run.stderr
     if scenario == "raises":
         assert "error: rank 1 broke" in run.stderr, (run.returncode, run.stdout, run.stderr)
+    if scenario == "uncaught":                          # the traceback, printed before every rank is ended
+        assert "Traceback" in run.stderr and "RuntimeError: rank 1 broke, uncaught" in run.stderr, run.stderr
 
 
 @pytest.fixture(scope="module")
