@@ -116,11 +116,14 @@ def wait_until_output_is_read(fds=(1, 2), limit=ABORT_DRAIN_S):
     act on the abort first, ending every rank before it forwarded the error that caused it; the user would
     see the exit status and not why. The bytes still in a pipe are counted by ioctl FIONREAD (Linux: on
     either end of the pipe)."""
-    import fcntl
     import stat
-    import termios
     from array import array
 
+    try:
+        import fcntl
+        import termios
+    except ImportError:   # not POSIX (Windows): no way to count the unread bytes; abort must still go on
+        return
     deadline = time.monotonic() + limit
     for fd in fds:
         try:
